@@ -1,0 +1,125 @@
+"""Evaluation: does the model play legal chess? The share of legal next moves.
+
+Loss says how surprised the model is by real games; it does not say whether the model has
+learnt the rules. This metric does. For held-out games we cut each at a random move, show the
+model the moves so far, let it continue greedily, read the first word it writes, and ask
+python-chess whether that word is a legal move in the position. A random model scores about 0;
+a model that has learnt chess notation but not chess scores a little; one that tracks the board
+scores near 1.
+
+It reads text, not tokens, so the tiny Llama (one token per move) and CodeLlama (several
+sub-word tokens per move) are judged the same way.
+
+Every rank runs the same number of forward passes, even if it has fewer prefixes: under FSDP a
+forward pass is a collective (each unit all-gathers its parameters), so a rank that stopped
+early would leave the others waiting forever.
+
+    python -m minidist.evaluate --model runs/laptop/model --data minidist/games/test.jsonl
+"""
+
+import argparse
+import random
+import sys
+
+import chess
+import torch
+import torch.distributed as dist
+
+
+def game_prefixes(games: list[str], num_prefixes: int, seed: int = 0) -> list[list[str]]:
+    """Cut up to `num_prefixes` games after a random move (at least one move, never the last)."""
+    rng = random.Random(seed)
+    prefixes = []
+    for text in games[:num_prefixes]:
+        moves = text.split()[:-1]  # the last word is the result
+        if len(moves) >= 2:
+            prefixes.append(moves[: rng.randint(1, len(moves) - 1)])
+    return prefixes
+
+
+def first_word_is_legal(prefix: list[str], continuation: str) -> bool:
+    board = chess.Board()
+    for move in prefix:
+        board.push_uci(move)
+    words = continuation.split()
+    if not words:
+        return False
+    try:
+        return chess.Move.from_uci(words[0]) in board.legal_moves
+    except ValueError:  # not a move at all: a result, half a word, punctuation
+        return False
+
+
+def tokens_per_move(tokenizer) -> int:
+    """How many tokens the longest move takes after a space (1 for the tiny model, ~5 for Llama)."""
+    return max(len(tokenizer(" " + m, add_special_tokens=False)["input_ids"]) for m in ("a7a8q", "h2h1n", "e2e4"))
+
+
+@torch.no_grad()
+def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, device) -> list[str]:
+    """Greedy decoding for a batch, left-padded so every prompt ends at the last column."""
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(encoded):
+        ids[row, width - len(seq):] = torch.tensor(seq)
+        mask[row, width - len(seq):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    for _ in range(max_new_tokens):
+        # Positions count real tokens only, so a left-padded prompt sees the positions it was trained on.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in ids.tolist()]
+
+
+def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32) -> dict:
+    """The share of prefixes whose greedy next move is legal, over all ranks."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = prefixes[rank::world]
+    per_rank = -(-len(prefixes) // world)  # every rank loops this many times (see module doc)
+    padded = mine + [prefixes[0]] * (per_rank - len(mine))
+    new_tokens = tokens_per_move(tokenizer) + 1
+    was_training = model.training
+    model.eval()
+    legal, samples = 0, []
+    for start in range(0, per_rank, batch_size):
+        chunk = padded[start: start + batch_size]
+        outputs = greedy_continue(model, tokenizer, [" ".join(p) for p in chunk], new_tokens, device)
+        for i, (prefix, text) in enumerate(zip(chunk, outputs)):
+            if start + i < len(mine):  # the padding is not counted
+                legal += first_word_is_legal(prefix, text)
+                if len(samples) < 3:
+                    samples.append((" ".join(prefix[-3:]), text.split()[0] if text.split() else ""))
+    model.train(was_training)
+    counts = torch.tensor([legal, len(mine)], dtype=torch.long, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    legal, total = counts.tolist()
+    return {"legal_move_rate": legal / max(total, 1), "legal": legal, "total": total, "samples": samples}
+
+
+def main(argv=None) -> None:
+    from minidist.data import bundled_games, load_games
+    from minidist.models import load_model, load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m minidist.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="hub name, local folder, or `tiny`")
+    parser.add_argument("--data", default=str(bundled_games("test")), help="held-out games (jsonl)")
+    parser.add_argument("--num_prefixes", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        games = load_games(args.data)
+        tokenizer, model = load_tokenizer(args.model), load_model(args.model, device=device)
+    except FileNotFoundError as err:
+        sys.exit(f"minidist.evaluate: error: {err}")
+    result = legal_move_rate(model, tokenizer, game_prefixes(games, args.num_prefixes, args.seed), device)
+    print(f"legal-move rate {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']} prefixes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Metrics: what one optimizer step cost, in seconds, tokens, FLOPs and bytes.
+
+Training FLOPs per token, from Kaplan et al. 2020 ("Scaling Laws for Neural Language Models",
+section 2.1) and the Megatron-LM paper (Narayanan et al. 2021, appendix): a forward pass costs
+2 FLOPs per parameter per token (one multiply, one add), backward twice that, so 6P; attention
+over a context of T tokens adds 12·L·h·T (L layers, hidden size h). Model FLOPs utilisation
+(MFU, PaLM paper, Chowdhery et al. 2022, appendix B) is the share of the hardware's peak that
+those FLOPs represent: recomputation for activation checkpointing is not counted as useful work.
+"""
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (without sparsity).
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: float) -> float:
+    return 6 * num_params + 12 * num_layers * hidden_size * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The bf16 peak of this GPU if we know it; None on the CPU or an unknown card."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank so far.
+
+    On a GPU: the most bytes PyTorch's allocator has handed out (`max_memory_allocated`). On the
+    CPU there is no such counter, so this is the process's peak resident set size: it includes
+    the Python interpreter and libraries, so read it as an upper bound on what training used.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+class MetricsLog:
+    """Append one JSON object per step to a file, flushed at once: a crash loses no step."""
+
+    def __init__(self, path: Path, append: bool = False):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def format_step(record: dict, max_steps: int) -> str:
+    line = (f"step {record['step']:>4}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"{record['step_time_s']:.2f} s | {record['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in record:
+        line += f" | MFU {record['mfu']:.1%}"
+    return line

@@ -1,0 +1,155 @@
+"""Strategies: how the model's state is spread over the ranks, behind one small interface.
+
+The training loop in `finetune.py` never asks which strategy it runs. It calls:
+
+    model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP)
+    optimizer = strategy.build_optimizer(model, lr, weight_decay)
+    with strategy.no_sync(model):               # micro-batches that only accumulate
+        loss.backward()
+    strategy.clip_grad_norm_(model, max_norm); optimizer.step()
+
+and, to save, `strategy.full_state_dict(model)`. Each strategy is a name (`ddp`, `zero1`,
+`zero2`, `fsdp`) and an implementation: `torch` (PyTorch's own DistributedDataParallel and
+FSDP2 `fully_shard`, the reference) or `minidist` (written by hand in `ddp.py`, `zero.py` and
+`fsdp.py`, checked against the reference).
+
+Both implementations *average* gradients over ranks, as PyTorch's DDP does. The loop divides
+each rank's summed token loss by the token count of the whole global batch and multiplies by
+the world size, so the average of the ranks' gradients is the gradient of the global batch.
+"""
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+IMPLEMENTATIONS = ("minidist", "torch")
+
+
+class Strategy:
+    """The shared part: a device, a precision, AdamW over the trainable parameters."""
+
+    def __init__(self, env, mixed_precision="fp32", layer_wrap_policy=True):
+        self.env = env
+        self.mixed_precision = mixed_precision
+        self.layer_wrap_policy = layer_wrap_policy
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The Hugging Face model inside the wrapper (for `save_pretrained`, `config`)."""
+        return model
+
+    def build_optimizer(self, model, lr, weight_decay=0.0):
+        # Frozen parameters get no optimizer state at all: that is where LoRA saves its memory.
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+    def no_sync(self, model):
+        """Inside this context backward only accumulates local gradients: no communication."""
+        return nullcontext()
+
+    def autocast(self):
+        """The compute precision of forward and backward (parameters stay fp32 masters)."""
+        return nullcontext()
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_state_dict(self, model) -> dict | None:
+        """The whole model's weights on rank 0, on the CPU (None on other ranks). Every rank calls it."""
+        raise NotImplementedError
+
+
+class TorchDDP(Strategy):
+    """PyTorch's DistributedDataParallel: every rank holds everything; gradients all-reduced."""
+
+    def wrap(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to(self.env.device)
+        device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def unwrap(self, model):
+        return model.module
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def autocast(self):
+        # Automatic mixed precision: fp32 weights, matmuls in bf16, gradients and all-reduce in fp32.
+        if self.mixed_precision == "bf16":
+            return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def full_state_dict(self, model):
+        if not self.env.is_main:
+            return None
+        return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+
+
+def wrap_policy_classes(model: nn.Module) -> set[str]:
+    """The layer classes that become FSDP units: the model's repeated blocks.
+
+    Hugging Face models list them in `_no_split_modules` (`LlamaDecoderLayer`, `GPT2Block`),
+    the same list `accelerate` uses to place whole blocks on one device.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(f"{type(model).__name__} names no layer class in _no_split_modules; use --no_layer_wrap_policy")
+    return names
+
+
+class TorchFSDP(Strategy):
+    """PyTorch's FSDP2 (`fully_shard`): one unit per decoder layer, then the root for the rest."""
+
+    def wrap(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        mp = None
+        if self.mixed_precision == "bf16":
+            # Parameters are all-gathered in bf16, gradients reduce-scattered in fp32.
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        if self.layer_wrap_policy:
+            classes = wrap_policy_classes(model)
+            for module in model.modules():
+                if type(module).__name__ in classes:
+                    fully_shard(module, **kwargs)
+        # The root unit holds what is left (embeddings, final norm, output layer). fully_shard
+        # moves each shard onto the mesh's device, so the full model never sits on one GPU.
+        fully_shard(model, **kwargs)
+        return model
+
+    @contextmanager
+    def no_sync(self, model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def full_state_dict(self, model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Gathers one tensor at a time to rank 0's CPU memory: no GPU ever holds the whole model.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return state if self.env.is_main else None
+
+
+def get_strategy(name: str, impl: str, env, mixed_precision="fp32", layer_wrap_policy=True) -> Strategy:
+    """Pick a strategy by name and implementation; say in one line if it is not built yet."""
+    if name not in STRATEGIES or impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown strategy {impl}/{name}: choose --strategy from {STRATEGIES}, --impl from {IMPLEMENTATIONS}")
+    built = {("torch", "ddp"): TorchDDP, ("torch", "fsdp"): TorchFSDP}
+    if (impl, name) not in built:
+        ready = ", ".join(f"--impl {i} --strategy {n}" for i, n in built)
+        raise NotImplementedError(f"{impl}/{name} is not built yet; available now: {ready}")
+    return built[(impl, name)](env, mixed_precision=mixed_precision, layer_wrap_policy=layer_wrap_policy)
