@@ -1,0 +1,216 @@
+"""Process groups: how N copies of one script find each other.
+
+Distributed training runs the *same* script in N processes, one per GPU (or, on a laptop,
+one per few CPU cores). Each process needs to know four numbers:
+
+- ``rank``: who am I among all processes, ``0 .. world_size - 1``. Rank 0 is the "main"
+  rank by convention: it logs, saves checkpoints and hosts the rendezvous.
+- ``world_size``: how many processes take part in total (4 GPUs on 1 node: 4; 2 nodes of
+  4 GPUs: 8).
+- ``local_rank``: who am I *on this machine*, ``0 .. local_world_size - 1``. It picks the
+  GPU: local rank 2 drives ``cuda:2``. On node 1 of the example above, ranks 4..7 have local
+  ranks 0..3.
+- ``local_world_size``: how many processes share this machine (its GPUs, or its CPU cores).
+
+Nobody computes these by hand. A launcher starts the processes and writes the numbers into
+each one's environment:
+
+- ``torchrun --nproc_per_node=4 train.py`` sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+  MASTER_ADDR and MASTER_PORT.
+- ``srun`` (SLURM, one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and
+  SLURM_NTASKS_PER_NODE; the rendezvous address is the first host of the job's node list.
+- ``minidist.launch`` (notebooks, tests) sets the torchrun variables itself.
+- Nothing at all: a plain ``python train.py`` is a world of one process.
+
+``MASTER_ADDR:MASTER_PORT`` is where rank 0 runs a small key-value store (a ``TCPStore``);
+every rank connects to it once to exchange addresses, then the backend talks peer to peer:
+NCCL between GPUs (NVLink, InfiniBand), gloo between CPU processes over TCP.
+
+Why a timeout: a collective such as ``all_reduce`` returns only when *every* rank has joined
+it. If one rank crashes or takes another branch, the others wait. Without a timeout they wait
+forever and burn a GPU allocation; with one they fail with an error that names the
+collective. (For NCCL the timeout is enforced by PyTorch's watchdog thread, on by default.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's default, so both launchers behave alike
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands in the job; see the module docstring for the terms."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_env: DistEnv | None = None  # set by init_distributed, read by get_env
+
+
+def find_free_port() -> int:
+    """Ask the OS for a TCP port nobody listens on (bind to port 0, read it back, let go).
+
+    Another program could grab it between now and the rendezvous; on one machine that
+    window is short enough in practice.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """``node[03-05]`` -> ``node03``: SLURM's compressed node list, expanded by scontrol."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+    ).stdout
+    return out.split()[0]
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """SLURM writes tasks per node compressed: ``"4"``, ``"4(x2)"`` or ``"2(x3),1"``."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        n, _, rep = part.partition("(x")
+        counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def read_launch_env(
+    environ: Mapping[str, str], resolve_host: Callable[[str], str] = _first_slurm_host
+) -> dict:
+    """Who launched us, and with which numbers? A pure function of the environment.
+
+    Returns a dict with ``source`` ("torchrun", "slurm" or "single"), ``rank``,
+    ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr`` and ``master_port``
+    (``None`` for "single": the caller picks a free port).
+    ``resolve_host`` turns SLURM's node list into the rendezvous host; tests pass a stub.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        # torchrun (or minidist.launch). Defaults cover a hand-made single-node launch.
+        world_size = int(environ["WORLD_SIZE"])
+        return dict(
+            source="torchrun",
+            rank=int(environ["RANK"]),
+            world_size=world_size,
+            local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+        )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        # srun with one task per GPU: SLURM plays torchrun's role.
+        per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        node_id = int(environ.get("SLURM_NODEID", 0))
+        addr = environ.get("MASTER_ADDR") or resolve_host(environ["SLURM_JOB_NODELIST"])
+        # Every task must agree on the port without talking to each other: derive it from
+        # the job id they share, so two jobs on one node do not collide.
+        port = environ.get("MASTER_PORT")
+        if port is None:
+            port = DEFAULT_MASTER_PORT + int(environ.get("SLURM_JOB_ID", 0)) % 1000
+        return dict(
+            source="slurm",
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=int(environ["SLURM_NTASKS"]),
+            local_rank=int(environ.get("SLURM_LOCALID", 0)),
+            local_world_size=_tasks_on_node(per_node, node_id) if per_node else 1,
+            master_addr=addr,
+            master_port=int(port),
+        )
+    # A world of one talks only to itself: this machine, any free port (a MASTER_ADDR left
+    # over from a batch script could name another node).
+    return dict(source="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                master_addr="127.0.0.1", master_port=None)
+
+
+def _usable_cores() -> int:
+    # Under SLURM or taskset a process may use fewer cores than the machine has.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def init_distributed(timeout_s: float | None = None) -> DistEnv:
+    """Join the process group described by the environment, once; return our DistEnv.
+
+    Calling it again returns the existing group's DistEnv, so library code may call it
+    without asking whether the script already did. ``timeout_s`` (else the environment
+    variable MINIDIST_TIMEOUT_S, else 600 s) bounds how long a collective may wait.
+    """
+    global _env
+    if dist.is_initialized():
+        return get_env()
+    where = read_launch_env(os.environ)
+    port = where["master_port"] or find_free_port()
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MINIDIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+    if torch.cuda.is_available():
+        # One process per GPU: bind before any CUDA work, or every rank piles onto cuda:0.
+        torch.cuda.set_device(where["local_rank"])
+        device, backend = torch.device("cuda", where["local_rank"]), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N ranks on one laptop each default to all cores: share them out instead.
+            torch.set_num_threads(max(1, _usable_cores() // where["local_world_size"]))
+
+    if where["source"] == "torchrun":
+        # torchrun's agent already runs the store the ranks should meet at; env:// uses it.
+        init_method = "env://"
+    else:
+        addr = where["master_addr"]
+        host = f"[{addr}]" if ":" in addr else addr  # IPv6 literals need brackets in a URL
+        init_method = f"tcp://{host}:{port}"
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=where["rank"],
+        world_size=where["world_size"],
+        timeout=timedelta(seconds=timeout_s),
+    )
+    ranks = {k: where[k] for k in ("rank", "world_size", "local_rank", "local_world_size")}
+    _env = DistEnv(**ranks, device=device, backend=backend)
+    return _env
+
+
+def get_env() -> DistEnv:
+    """The DistEnv of the current process group (init_distributed must have run)."""
+    if not dist.is_initialized():
+        raise RuntimeError("No process group yet: call minidist.distributed.init_distributed() first.")
+    if _env is not None:
+        return _env
+    # The group was built by someone else (dist.init_process_group by hand): describe it.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    on_gpu = dist.get_backend() == "nccl"
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank,
+                   int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                   torch.device("cuda", local_rank) if on_gpu else torch.device("cpu"),
+                   dist.get_backend())
+
+
+def cleanup() -> None:
+    """Leave the process group, if any. No barrier: a rank that fails must not wait here."""
+    global _env
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _env = None
