@@ -1,0 +1,56 @@
+"""The SLURM script itself, run through fake sbatch/srun/scontrol on CPU with the tiny model.
+
+The fakes (tests/fake_slurm) set the variables a one-node allocation sets and run the script's
+real launch line: srun, then torchrun with a c10d rendezvous, then minidist.finetune on 2 CPU
+ranks standing in for GPUs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidist.data import bundled_games
+from minidist.distributed import find_free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_SLURM = ROOT / "tests" / "fake_slurm"
+
+
+def sbatch(tmp_path, model, *args, **env):
+    variables = {
+        **os.environ,
+        "PATH": f"{FAKE_SLURM}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),  # the job runs from the submit folder, here tmp_path
+        "MODEL": model, "DATA": str(bundled_games("train")), "OUTPUT_DIR": str(tmp_path / "out"),
+        "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2", "MASTER_PORT": str(find_free_port()),
+        "FAKE_SLURM_JOB_ID": "42", **env,
+    }
+    done = subprocess.run(["sbatch", str(ROOT / "slurm" / "chess_finetune.sh"), *args], cwd=tmp_path,
+                          env=variables, capture_output=True, text=True, timeout=300)
+    log = (tmp_path / "chess-finetune-42.out").read_text()
+    return done, log
+
+
+@pytest.mark.parametrize("extra,strategy", [([], "torch/fsdp"), (["--no_fsdp"], "torch/ddp")])
+def test_the_slurm_script_trains_on_two_cpu_ranks(tiny_model, tmp_path, extra, strategy):
+    done, log = sbatch(tmp_path, tiny_model, "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "8", *extra)
+    assert done.returncode == 0, log
+    assert "Submitted batch job 42" in done.stdout
+    # 8 = 2 per device x 2 ranks x 2 accumulation steps, computed by the script.
+    assert "total batch 8 = 2 x 2 x 2 accumulation" in log
+    assert f"{strategy} on 2 x cpu" in log and "global batch 8 = 2 x 2 ranks x 2 accumulation" in log
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert "legal-move rate after training" in log
+    assert (tmp_path / "out" / "model" / "config.json").exists()
+
+
+def test_sizes_that_do_not_divide_stop_the_job_with_one_line(tiny_model, tmp_path):
+    done, log = sbatch(tmp_path, tiny_model, TOTAL_BATCH_SIZE="10", BATCH_SIZE_PER_DEVICE="4")
+    assert done.returncode != 0
+    assert log.strip().splitlines() == [
+        "error: TOTAL_BATCH_SIZE=10 is not divisible by 2 GPUs x BATCH_SIZE_PER_DEVICE=4; pick sizes whose product divides it"]
