@@ -1,0 +1,309 @@
+"""Chess games as training data, and how a global batch is split across ranks.
+
+The model learns to continue a chess game written as text: space-separated UCI moves, then the
+result, exactly as in the hub dataset `laion/strategic_game_chess`:
+
+    e2e4 c7c5 g1f3 d7d6 ... d1h5 1-0
+
+Three ways to get such text, all ending in the same jsonl file (one `{"text": ...}` per line):
+
+1. `generate_games`: play games with python-chess and a weak policy (no engine, no network).
+   A sample of ~3000 train and 300 held-out games ships in `minidist/games/`.
+2. `convert_parquet`: turn the real dataset's parquet shards into jsonl, streaming.
+3. `download_dataset`: on a machine with internet, fetch the first shards into the Hugging Face
+   cache (`HF_HOME`) and convert them, so offline compute nodes only read jsonl.
+
+Then `tokenize_games` (truncate at `max_seq_length`, always) and `collate` (right padding,
+labels -100 where padded so padding never counts in the loss).
+
+The distributed part is `GlobalBatchSampler`. The rule that makes every strategy comparable to a
+single process: the *global* batch of step k depends on the seed alone. The world size and the
+micro-batch size only decide who computes which slice of it. So 1 GPU with 8 accumulation steps
+and 4 GPUs with 2 see the same examples per optimizer step and, in fp32, take the same step.
+"""
+import argparse
+import itertools
+import json
+import pathlib
+import random
+import sys
+
+import chess
+import torch
+
+GAMES_DIR = pathlib.Path(__file__).parent / "games"
+HUB_DATASET = "laion/strategic_game_chess"
+PIECE_VALUE = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, chess.QUEEN: 9}
+
+
+# ---------------------------------------------------------------- generating games
+def _capture_gain(board, move):
+    """Material won by a capture, minus the capturing piece if the square is defended."""
+    gain = PIECE_VALUE.get(board.piece_type_at(move.to_square), 1)  # en passant: a pawn
+    if board.is_attacked_by(not board.turn, move.to_square):
+        # (A king is never this capturer: taking a defended piece with it is illegal.)
+        gain -= PIECE_VALUE.get(board.piece_type_at(move.from_square), 0)
+    return gain
+
+
+def _weak_move(board, rng, capture_prob):
+    """Mate in one if there is one, else often the best winning capture, else a random move.
+
+    Pure random play wanders for hundreds of plies into a draw; capturing anything trades all
+    pieces into a draw by insufficient material. Taking only material that is free (or worth more
+    than the capturer) leaves one side ahead, and spotting mate lets it win: most games end in
+    checkmate, at varied lengths, and every game is still a legal one.
+    """
+    moves = list(board.legal_moves)
+    for move in moves:
+        if board.gives_check(move):  # only a checking move can mate
+            board.push(move)
+            mate = board.is_checkmate()
+            board.pop()
+            if mate:
+                return move
+    if rng.random() < capture_prob:
+        scored = [(_capture_gain(board, m), m) for m in moves if board.is_capture(m)]
+        best = max((gain for gain, _ in scored), default=0)
+        if best > 0:
+            return rng.choice([m for gain, m in scored if gain == best])
+    return rng.choice(moves)
+
+
+def generate_games(num_games, seed=0, max_plies=200, capture_prob=0.9):
+    """`num_games` legal games, each ended by the rules, as "m1 m2 ... result"; seed -> same games.
+
+    A game still running after `max_plies` is thrown away: inventing a result would teach lies.
+    """
+    rng = random.Random(seed)
+    games = []
+    while len(games) < num_games:
+        board = chess.Board()
+        # Fivefold repetition and the 75-move rule end a game without any claim, as in the rules.
+        while not board.is_game_over() and board.ply() < max_plies:
+            board.push(_weak_move(board, rng, capture_prob))
+        if board.is_game_over():
+            games.append(" ".join(m.uci() for m in board.move_stack) + " " + board.result())
+    return games
+
+
+# ---------------------------------------------------------------- jsonl files
+def write_games(texts, path, max_games=None):
+    """Write game texts (any iterable, read lazily) as jsonl; return the count (<= max_games)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with open(path, "w") as f:
+        for text in itertools.islice(texts, max_games):  # islice takes no more than it writes
+            f.write(json.dumps({"text": text}) + "\n")
+            count += 1
+    return count
+
+
+def load_games(path):
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"No games file at {path}: use the bundled sample (minidist.data.bundled_games("
+            f"'train')), or create it with `python -m minidist.data generate|convert|download`.")
+    if path.suffix != ".jsonl":
+        raise ValueError(f"{path} is not a .jsonl file: convert parquet shards first with "
+                         f"`python -m minidist.data convert SHARD.parquet --out FILE.jsonl`.")
+    with open(path) as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def bundled_games(split):
+    """Path of the sample shipped in minidist/games: "train" (3000 games) or "test" (300 unseen)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"Unknown split {split!r}: use 'train' or 'test'.")
+    return GAMES_DIR / f"{split}.jsonl"
+
+
+# ---------------------------------------------------------------- the hub dataset
+def _iter_parquet_games(shard_paths):
+    """Yield game texts shard by shard, batch by batch: a shard never sits in memory whole."""
+    import pyarrow.parquet as pq  # only the converter needs pyarrow
+
+    for shard in shard_paths:
+        for batch in pq.ParquetFile(shard).iter_batches(columns=["Moves", "Result"],
+                                                        batch_size=4096):
+            for moves, result in zip(batch.column("Moves").to_pylist(),
+                                     batch.column("Result").to_pylist()):
+                if moves:  # a few rows have no moves: nothing to learn from
+                    yield " ".join(moves) + " " + result
+
+
+def convert_parquet(shard_paths, out_path, max_games=None):
+    """Write the games of `laion/strategic_game_chess` parquet shards to jsonl; return the count."""
+    missing = [str(p) for p in shard_paths if not pathlib.Path(p).exists()]
+    if missing:  # before the output file is opened, so a typo leaves no empty jsonl behind
+        raise FileNotFoundError(f"No parquet shard at {', '.join(missing)}: check the paths.")
+    return write_games(_iter_parquet_games(shard_paths), out_path, max_games)
+
+
+def download_dataset(out_dir, num_shards=1, max_games=None, test_games=1000):
+    """Cache the first `num_shards` parquet shards (in HF_HOME); write out_dir/{train,test}.jsonl.
+
+    Run it where there is internet; with HF_HUB_OFFLINE=1 it reuses shards already in the cache.
+    The first `test_games` games are held out as the test split; up to `max_games` follow as train.
+    """
+    import huggingface_hub  # looked up at call time, so tests can stand in for the hub
+    import huggingface_hub.constants  # HF_HUB_OFFLINE, read from the environment
+
+    try:
+        if huggingface_hub.constants.HF_HUB_OFFLINE:  # no hub to ask: list what the cache holds
+            files = [f.file_name for r in huggingface_hub.scan_cache_dir().repos
+                     if r.repo_id == HUB_DATASET for rev in r.revisions for f in rev.files]
+        else:
+            files = huggingface_hub.HfApi().list_repo_files(HUB_DATASET, repo_type="dataset")
+        shards = sorted({f for f in files if f.endswith(".parquet")})[:num_shards]
+        paths = [huggingface_hub.hf_hub_download(HUB_DATASET, f, repo_type="dataset")
+                 for f in shards]
+    except Exception as e:  # network and cache errors come in many classes; say one thing
+        why = f"Could not fetch {HUB_DATASET} ({type(e).__name__})"
+        raise ConnectionError(f"{why}: run the download where there is internet, "
+                              f"with HF_HUB_OFFLINE unset.") from e
+    if not paths:
+        raise FileNotFoundError(f"No parquet shards of {HUB_DATASET} found: run the download "
+                                f"once with network access (HF_HUB_OFFLINE unset).")
+    games = _iter_parquet_games(paths)  # one stream: train starts where test stops
+    out_dir = pathlib.Path(out_dir)
+    test = write_games(games, out_dir / "test.jsonl", test_games)
+    return {"test": test, "train": write_games(games, out_dir / "train.jsonl", max_games)}
+
+
+# ---------------------------------------------------------------- tokens and batches
+def tokenize_games(texts, tokenizer, max_seq_length):
+    """Token ids per game: the tokenizer's (with its BOS, if any), then EOS, cut to max_seq_length.
+
+    EOS teaches the model where a game stops. Truncation is not optional: one long game would
+    otherwise set the padded length, and the memory, of its whole batch.
+    """
+    ids = tokenizer(list(texts))["input_ids"]
+    return [(seq + [tokenizer.eos_token_id])[:max_seq_length] for seq in ids]
+
+
+def collate(sequences, pad_token_id):
+    """Right-pad to the longest sequence; labels copy input_ids but are -100 (ignored) on padding.
+
+    The loss shifts labels by one itself; -100 is the `ignore_index` of `cross_entropy`, so
+    padding adds neither loss nor gradient, however many pad tokens a batch holds.
+    """
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, :len(seq)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class GlobalBatchSampler:
+    """Which examples each rank uses at each step, with the data order set by the seed alone.
+
+    The index stream is epoch 0's permutation, then epoch 1's, ...; global batch `step` is the
+    slice [step*G, (step+1)*G) of it, and may straddle two epochs. Each global batch is cut into
+    world_size * A micro-batches of b examples (A = accumulation steps): micro-batch a of rank r
+    is slice a*world_size + r, so at every accumulation step the ranks hold neighbouring slices.
+    """
+
+    def __init__(self, num_examples, global_batch_size, seed):
+        if global_batch_size > num_examples:
+            raise ValueError(f"global_batch_size {global_batch_size} is larger than the "
+                             f"{num_examples} examples: use more data or a smaller batch.")
+        self.num_examples, self.global_batch_size, self.seed = num_examples, global_batch_size, seed
+        self._perms = {}
+
+    def _permutation(self, epoch):
+        if epoch not in self._perms:
+            # One generator per (seed, epoch): any epoch can be recomputed alone, e.g. on resume.
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}  # bound memory
+            self._perms[epoch] = torch.randperm(self.num_examples, generator=g).tolist()
+        return self._perms[epoch]
+
+    def position(self, step):
+        """(epoch, offset) where global batch `step` starts: what a checkpoint saves."""
+        return divmod(step * self.global_batch_size, self.num_examples)
+
+    def global_batch(self, step):
+        epoch, offset = self.position(step)
+        batch = []
+        while len(batch) < self.global_batch_size:
+            need = self.global_batch_size - len(batch)
+            batch += self._permutation(epoch)[offset:offset + need]
+            epoch, offset = epoch + 1, 0
+        return batch
+
+    def accumulation_steps(self, world_size, micro_batch_size):
+        per_step = world_size * micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ValueError(f"global batch {self.global_batch_size} is not divisible by "
+                             f"world_size * micro_batch_size = {world_size} * {micro_batch_size}: "
+                             f"pick sizes whose product divides it.")
+        return self.global_batch_size // per_step
+
+    def micro_batches(self, step, rank, world_size, micro_batch_size):
+        """The A micro-batches rank `rank` runs, forward and backward, before the optimizer step."""
+        accumulation = self.accumulation_steps(world_size, micro_batch_size)
+        g, b = self.global_batch(step), micro_batch_size
+        return [g[(a * world_size + rank) * b:(a * world_size + rank + 1) * b]
+                for a in range(accumulation)]
+
+
+# ---------------------------------------------------------------- command line
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m minidist.data",
+                                     description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="play legal games with python-chess")
+    gen.add_argument("--num_games", type=int, required=True)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max_plies", type=int, default=200)
+    gen.add_argument("--out", required=True)
+    gen.add_argument("--test_games", type=int, default=0)
+    gen.add_argument("--test_out")
+    conv = sub.add_parser("convert", help="parquet shards of the hub dataset -> jsonl")
+    conv.add_argument("shards", nargs="+")
+    conv.add_argument("--out", required=True)
+    conv.add_argument("--max_games", type=int)
+    down = sub.add_parser("download", help="cache hub shards and write train/test jsonl")
+    down.add_argument("--out", required=True)
+    down.add_argument("--num_shards", type=int, default=1)
+    down.add_argument("--max_games", type=int)
+    down.add_argument("--test_games", type=int, default=1000)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            if args.test_games and not args.test_out:
+                raise ValueError("--test_games needs --test_out FILE for the held-out games.")
+            # Extra games so that test keeps K distinct games after dropping any that occur in
+            # train: short games, like a quick mate, can repeat, and a held-out game must be unseen.
+            games = generate_games(args.num_games + 2 * args.test_games, args.seed, args.max_plies)
+            train = games[:args.num_games]
+            seen = set(train)
+            test = [t for t in dict.fromkeys(games[args.num_games:]) if t not in seen]
+            test = test[:args.test_games]
+            if len(test) < args.test_games:
+                raise ValueError("Too few distinct held-out games: ask for fewer --test_games.")
+            write_games(train, args.out)
+            if args.test_games:
+                write_games(test, args.test_out)
+            print(f"wrote {len(train)} games to {args.out}"
+                  + (f" and {len(test)} to {args.test_out}" if args.test_games else ""))
+        elif args.command == "convert":
+            count = convert_parquet(args.shards, args.out, args.max_games)
+            print(f"wrote {count} games to {args.out}")
+        else:
+            counts = download_dataset(args.out, args.num_shards, args.max_games, args.test_games)
+            print(f"wrote {counts['train']} train and {counts['test']} test games to {args.out}")
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
