@@ -1,0 +1,208 @@
+"""Fine-tune a causal language model on chess games, with any strategy, on 1 to N ranks.
+
+    torchrun --nproc_per_node 2 -m minidist.finetune          # laptop: tiny Llama, 2 CPU ranks
+    python -m minidist.finetune --max_steps 5                  # one process
+    sbatch slurm/chess_finetune.sh                             # CodeLlama-7b on 4 A100s
+
+One loop for every strategy: the strategy wraps the model, builds the optimizer and decides
+what communication a backward pass does; the loop only feeds batches and steps (see
+`strategies.py`).
+
+The global batch is `batch_size_per_device x world_size x gradient_accumulation_steps`
+sequences. Which sequences form global batch k depends on the seed alone, so 1 rank with
+batch 4, 2 ranks with batch 2, and 2 ranks with batch 1 and 2 accumulation steps all see the
+same data. They also compute the same gradient, because the loss is normalised by the number of
+target tokens in the whole global batch, not per micro-batch: chess games have different
+lengths, and averaging per micro-batch would weigh a token in a short batch more than one in a
+long batch, differently for every split.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minidist import data, evaluate, metrics, models
+from minidist.distributed import cleanup, init_distributed
+from minidist.strategies import IMPLEMENTATIONS, STRATEGIES, get_strategy
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m minidist.finetune", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=models.TINY, help="hub name, local folder, or `tiny` (the offline tiny Llama)")
+    p.add_argument("--data", default=str(data.bundled_games("train")), help="training games, jsonl with a `text` field")
+    p.add_argument("--eval_data", default=str(data.bundled_games("test")), help="held-out games for the legal-move rate")
+    p.add_argument("--eval_prefixes", type=int, default=200, help="held-out prefixes to judge (0: skip evaluation)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="fsdp")
+    p.add_argument("--impl", choices=IMPLEMENTATIONS, default="torch", help="minidist (by hand) or torch (reference)")
+    p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
+    p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
+    p.add_argument("--batch_size_per_device", type=int, default=8)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--max_steps", type=int, default=60)
+    p.add_argument("--max_seq_length", type=int, default=128)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--mixed_precision", choices=("bf16", "fp32"), default="fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default="runs/chess")
+    p.add_argument("--log_every", type=int, default=1)
+    p.add_argument("--no_save", action="store_true", help="do not write the fine-tuned model")
+    args = p.parse_args(argv)
+    if args.no_fsdp:
+        args.strategy = "ddp"
+    for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.max_seq_length < 2:
+        p.error("--max_seq_length must be at least 2 (a token and the one that follows it)")
+    return args
+
+
+def lr_schedule(step: int, args) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak: a multiplier for LambdaLR."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
+    """The summed next-token cross-entropy of a micro-batch (not the mean: see module doc)."""
+    with strategy.autocast():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # Position t predicts token t+1; padding carries the label -100 and is ignored.
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+def train_step(model, strategy, optimizer, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns this rank's summed loss."""
+    loss_sum = torch.zeros(())
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        # Only the last micro-batch communicates; the others just add to the local gradients.
+        with nullcontext() if last else strategy.no_sync(model):
+            loss = token_loss_sum(model, batch, strategy)
+            # Strategies average gradients over ranks, so scale by world_size / global target count.
+            (loss * world_size / num_targets).backward()
+        loss_sum += loss.detach().cpu()
+    return loss_sum
+
+
+def train(args) -> dict:
+    """Run the whole job on this rank; return what it measured (the tests compare these)."""
+    env = init_distributed()
+    torch.manual_seed(args.seed + env.rank)  # ranks differ on purpose: wrapping must make them agree
+    if not env.is_main:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy)
+    tokenizer = models.load_tokenizer(args.model)
+    model = models.load_model(args.model)
+    config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = strategy.wrap(model)
+    optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, args))
+
+    sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
+    micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
+    sampler = data.GlobalBatchSampler(len(sequences), micro_bs * env.world_size * accum, args.seed)
+    prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
+    out = Path(args.output_dir)
+    log = metrics.MetricsLog(out / "metrics.jsonl") if env.is_main else None
+    say = print if env.is_main else (lambda *a, **k: None)
+    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy} on "
+        f"{env.world_size} x {env.device.type} | global batch {sampler.global_batch_size} = "
+        f"{micro_bs} x {env.world_size} ranks x {accum} accumulation | {len(sequences)} games")
+
+    def legal_rate(when: str) -> float | None:
+        if not prefixes:
+            return None
+        with strategy.autocast():
+            result = evaluate.legal_move_rate(model, tokenizer, prefixes, env.device)
+        say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
+        return result["legal_move_rate"]
+
+    results = {"rate_before": legal_rate("before training"), "losses": []}
+    from tqdm import tqdm
+    bar = tqdm(total=args.max_steps, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
+    for step in range(args.max_steps):
+        t0 = time.perf_counter()
+        global_ids = sampler.global_batch(step)
+        num_targets = sum(len(sequences[i]) - 1 for i in global_ids)  # every rank can count it
+        micro_batches = [{k: v.to(env.device) for k, v in data.collate([sequences[i] for i in ids], tokenizer.pad_token_id).items()}
+                         for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_bs)]
+        loss_sum = train_step(model, strategy, optimizer, micro_batches, num_targets, env.world_size)
+        grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss_sum.to(env.device)
+        dist.all_reduce(total)  # the loss over the whole global batch, for the log
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        step_time = time.perf_counter() - t0
+        tokens = sum(len(sequences[i]) for i in global_ids)
+        record = {"step": step + 1, "loss": total.item() / num_targets, "lr": lr, "grad_norm": grad_norm,
+                  "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
+                  "peak_memory_bytes": metrics.peak_memory_bytes(env.device)}
+        peak = metrics.peak_flops(env.device)
+        if peak:
+            per_token = metrics.flops_per_token(num_params, config.num_hidden_layers, config.hidden_size, tokens / len(global_ids))
+            record["mfu"] = record["tokens_per_s"] * per_token / (peak * env.world_size)
+        results["losses"].append(record["loss"])
+        if log:
+            log.write(record)
+            if step % args.log_every == 0 or step + 1 == args.max_steps:
+                tqdm.write(metrics.format_step(record, args.max_steps))
+            bar.update()
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+    bar.close()
+    results["rate_after"] = legal_rate("after training")
+    full_state = None if args.no_save else strategy.full_state_dict(model)
+    if env.is_main:
+        log.close()
+        (out / "eval.json").write_text(json.dumps({k: results[k] for k in ("rate_before", "rate_after")}))
+        if full_state is not None:
+            strategy.unwrap(model).save_pretrained(out / "model", state_dict=full_state)
+            tokenizer.save_pretrained(out / "model")
+            say(f"saved the fine-tuned model to {out / 'model'}")
+    results["parameters"] = full_state
+    return results
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        # Check what a learner can get wrong before any process group or model load.
+        for path in (args.data, args.eval_data):
+            if not Path(path).exists():
+                raise FileNotFoundError(f"data file {path} not found: use the bundled games (leave --data out) "
+                                        f"or write one with `python -m minidist.data download` or `convert`")
+        args.model = models.resolve(args.model)
+        train(args)
+    except (FileNotFoundError, NotImplementedError, ValueError) as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"minidist.finetune: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    main()
