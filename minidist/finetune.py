@@ -47,11 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
     p.add_argument("--batch_size_per_device", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--learning_rate", type=float, default=3e-3)
     p.add_argument("--weight_decay", type=float, default=0.0)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--max_steps", type=int, default=60)
+    p.add_argument("--max_steps", type=int, default=150)
     p.add_argument("--max_seq_length", type=int, default=128)
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--mixed_precision", choices=("bf16", "fp32"), default="fp32")
@@ -101,6 +101,10 @@ def train_step(model, strategy, optimizer, micro_batches, num_targets: int, worl
     return loss_sum
 
 
+class UsageError(Exception):
+    """A mistake the learner fixes by changing a flag, a file or a size: told in one line."""
+
+
 def train(args) -> dict:
     """Run the whole job on this rank; return what it measured (the tests compare these)."""
     env = init_distributed()
@@ -108,8 +112,17 @@ def train(args) -> dict:
     if not env.is_main:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-    strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy)
-    tokenizer = models.load_tokenizer(args.model)
+    micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
+    try:  # everything a learner can get wrong, checked before the expensive model load
+        strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy)
+        args.model = models.resolve(args.model)
+        tokenizer = models.load_tokenizer(args.model)
+        sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
+        sampler = data.GlobalBatchSampler(len(sequences), micro_bs * env.world_size * accum, args.seed)
+        prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
+    except (FileNotFoundError, NotImplementedError, ValueError) as err:
+        raise UsageError(err) from err
+
     model = models.load_model(args.model)
     config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
     if args.gradient_checkpointing:
@@ -117,11 +130,6 @@ def train(args) -> dict:
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, args))
-
-    sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
-    micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
-    sampler = data.GlobalBatchSampler(len(sequences), micro_bs * env.world_size * accum, args.seed)
-    prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
     out = Path(args.output_dir)
     log = metrics.MetricsLog(out / "metrics.jsonl") if env.is_main else None
     say = print if env.is_main else (lambda *a, **k: None)
@@ -189,15 +197,9 @@ def train(args) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        # Check what a learner can get wrong before any process group or model load.
-        for path in (args.data, args.eval_data):
-            if not Path(path).exists():
-                raise FileNotFoundError(f"data file {path} not found: use the bundled games (leave --data out) "
-                                        f"or write one with `python -m minidist.data download` or `convert`")
-        args.model = models.resolve(args.model)
         train(args)
-    except (FileNotFoundError, NotImplementedError, ValueError) as err:
-        if os.environ.get("RANK", "0") == "0":
+    except UsageError as err:
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
             print(f"minidist.finetune: error: {err}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -70,6 +70,18 @@ def test_rank_dying_silently_reports_exit_code(tmp_path, monkeypatch):
     assert_all_gone(tmp_path)
 
 
+def test_a_collective_gives_up_after_the_timeout(monkeypatch):
+    # A rank that never arrives must not hang the others forever: the process group's timeout
+    # (MINIDIST_TIMEOUT_S) turns the wait into an error. The launch then ends the sleeper.
+    monkeypatch.setenv("MINIDIST_TIMEOUT_S", "3")
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        launch(workers.wait_for_a_rank_that_never_comes, 2, timeout_s=90)
+    assert failed.value.rank == 0 and "all_reduce" in failed.value.traceback
+    assert "Timed out" in failed.value.traceback  # gloo's words for the collective timeout
+    assert time.monotonic() - start < 60  # the 3 s timeout, not the sleeper's 120 s nor launch's 90 s
+
+
 def test_launch_timeout_kills_everything(tmp_path):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="timed out"):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 
 
-def sbatch(tmp_path, model, *args, **env):
+def sbatch(tmp_path, model, *args, sbatch_options=(), **env):
     variables = {
         **os.environ,
         "PATH": f"{FAKE_SLURM}:{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -29,7 +29,7 @@ def sbatch(tmp_path, model, *args, **env):
         "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2", "MASTER_PORT": str(find_free_port()),
         "FAKE_SLURM_JOB_ID": "42", **env,
     }
-    done = subprocess.run(["sbatch", str(ROOT / "slurm" / "chess_finetune.sh"), *args], cwd=tmp_path,
+    done = subprocess.run(["sbatch", *sbatch_options, str(ROOT / "slurm" / "chess_finetune.sh"), *args], cwd=tmp_path,
                           env=variables, capture_output=True, text=True, timeout=300)
     log = (tmp_path / "chess-finetune-42.out").read_text()
     return done, log
@@ -47,6 +47,16 @@ def test_the_slurm_script_trains_on_two_cpu_ranks(tiny_model, tmp_path, extra, s
     assert steps == [1, 2]
     assert "legal-move rate after training" in log
     assert (tmp_path / "out" / "model" / "config.json").exists()
+
+
+def test_two_nodes_meet_at_the_rendezvous_on_the_first(tiny_model, tmp_path):
+    # Two "nodes" (both this machine) with one CPU rank each: two torchruns, one c10d rendezvous.
+    done, log = sbatch(tmp_path, tiny_model, "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "4",
+                       sbatch_options=["--nodes", "2"], FAKE_SLURM_GPUS_ON_NODE="1")
+    assert done.returncode == 0, log
+    assert "2 node(s) x 1 GPUs, rendezvous localhost" in log and "total batch 8 = 2 x 2 x 2 accumulation" in log
+    assert "torch/fsdp on 2 x cpu" in log
+    assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 def test_sizes_that_do_not_divide_stop_the_job_with_one_line(tiny_model, tmp_path):

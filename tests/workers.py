@@ -64,3 +64,10 @@ def _record_pid(pid_dir):
     if pid_dir is not None:
         with open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w") as f:
             f.write(str(get_env().rank))
+
+
+def wait_for_a_rank_that_never_comes():
+    """Rank 0 enters an all_reduce that rank 1 never joins; the collective timeout must end it."""
+    if get_env().rank == 1:
+        time.sleep(120)
+    dist.all_reduce(torch.ones(1))
