@@ -69,7 +69,9 @@ def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, d
     for _ in range(max_new_tokens):
         # Positions count real tokens only, so a left-padded prompt sees the positions it was trained on.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        # Each step re-reads the whole sequence (no key/value cache): slower, but every rank does
+        # the same full forward pass, which FSDP needs, and the code stays short.
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, -1]
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in ids.tolist()]

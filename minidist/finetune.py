@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from minidist import data, evaluate, metrics, models
 from minidist.distributed import cleanup, init_distributed
@@ -81,14 +82,15 @@ def lr_schedule(step: int, args) -> float:
 def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     """The summed next-token cross-entropy of a micro-batch (not the mean: see module doc)."""
     with strategy.autocast():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # use_cache=False: a key/value cache only helps generation; in training it is dead memory.
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     # Position t predicts token t+1; padding carries the label -100 and is ignored.
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
                            ignore_index=-100, reduction="sum")
 
 
-def train_step(model, strategy, optimizer, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns this rank's summed loss."""
+def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one step; return its summed loss."""
     loss_sum = torch.zeros(())
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -146,15 +148,16 @@ def train(args) -> dict:
         return result["legal_move_rate"]
 
     results = {"rate_before": legal_rate("before training"), "losses": []}
-    from tqdm import tqdm
     bar = tqdm(total=args.max_steps, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(args.max_steps):
         t0 = time.perf_counter()
         global_ids = sampler.global_batch(step)
         num_targets = sum(len(sequences[i]) - 1 for i in global_ids)  # every rank can count it
-        micro_batches = [{k: v.to(env.device) for k, v in data.collate([sequences[i] for i in ids], tokenizer.pad_token_id).items()}
-                         for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_bs)]
-        loss_sum = train_step(model, strategy, optimizer, micro_batches, num_targets, env.world_size)
+        micro_batches = []
+        for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_bs):
+            batch = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+            micro_batches.append({name: tensor.to(env.device) for name, tensor in batch.items()})
+        loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
         grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -170,8 +173,9 @@ def train(args) -> dict:
                   "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
                   "peak_memory_bytes": metrics.peak_memory_bytes(env.device)}
         peak = metrics.peak_flops(env.device)
-        if peak:
-            per_token = metrics.flops_per_token(num_params, config.num_hidden_layers, config.hidden_size, tokens / len(global_ids))
+        if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
+            mean_len = tokens / len(global_ids)
+            per_token = metrics.flops_per_token(num_params, config.num_hidden_layers, config.hidden_size, mean_len)
             record["mfu"] = record["tokens_per_s"] * per_token / (peak * env.world_size)
         results["losses"].append(record["loss"])
         if log:

@@ -8,7 +8,9 @@
 #   sbatch --nodes 2 slurm/chess_finetune.sh                          # 8 GPUs on 2 nodes
 #
 # Expected: FSDP fits (about 27 GB of model state per GPU plus activations); --no_fsdp runs out
-# of memory while building the optimizer state (16 bytes x 6.7e9 parameters = 108 GB > 80 GB).
+# of GPU memory in its first step (16 bytes x 6.7e9 parameters = 108 GB > 80 GB). While loading,
+# each rank holds the full fp32 model in host memory before it is sharded: about 4 x 27 GB of
+# the node's RAM (--mem=0 asks for all of it).
 #
 # Before the first job, on a login node with internet, cache the model once:
 #   python -m minidist.models download codellama/CodeLlama-7b-hf

@@ -20,7 +20,7 @@ class AlwaysSays(torch.nn.Module):
         self.token_id, self.vocab_size = token_id, vocab_size
         self.seen_positions = []
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache):
         self.seen_positions.append(position_ids)
         logits = torch.zeros(*input_ids.shape, self.vocab_size)
         logits[..., self.token_id] = 1.0
