@@ -91,7 +91,7 @@ def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
 
 def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches of one step; return its summed loss."""
-    loss_sum = torch.zeros(())
+    loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         # Only the last micro-batch communicates; the others just add to the local gradients.
@@ -99,7 +99,7 @@ def train_step(model, strategy, micro_batches, num_targets: int, world_size: int
             loss = token_loss_sum(model, batch, strategy)
             # Strategies average gradients over ranks, so scale by world_size / global target count.
             (loss * world_size / num_targets).backward()
-        loss_sum += loss.detach().cpu()
+        loss_sum = loss_sum + loss.detach()  # stays on the device: no GPU sync per micro-batch
     return loss_sum
 
 
@@ -163,7 +163,7 @@ def train(args) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        total = loss_sum.to(env.device)
+        total = loss_sum.clone()
         dist.all_reduce(total)  # the loss over the whole global batch, for the log
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
