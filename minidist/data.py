@@ -126,10 +126,8 @@ def _iter_parquet_games(shard_paths):
     import pyarrow.parquet as pq  # only the converter needs pyarrow
 
     for shard in shard_paths:
-        for batch in pq.ParquetFile(shard).iter_batches(columns=["Moves", "Result"],
-                                                        batch_size=4096):
-            for moves, result in zip(batch.column("Moves").to_pylist(),
-                                     batch.column("Result").to_pylist()):
+        for batch in pq.ParquetFile(shard).iter_batches(columns=["Moves", "Result"], batch_size=4096):
+            for moves, result in zip(batch.column("Moves").to_pylist(), batch.column("Result").to_pylist()):
                 if moves:  # a few rows have no moves: nothing to learn from
                     yield " ".join(moves) + " " + result
 
@@ -158,8 +156,7 @@ def download_dataset(out_dir, num_shards=1, max_games=None, test_games=1000):
         else:
             files = huggingface_hub.HfApi().list_repo_files(HUB_DATASET, repo_type="dataset")
         shards = sorted({f for f in files if f.endswith(".parquet")})[:num_shards]
-        paths = [huggingface_hub.hf_hub_download(HUB_DATASET, f, repo_type="dataset")
-                 for f in shards]
+        paths = [huggingface_hub.hf_hub_download(HUB_DATASET, f, repo_type="dataset") for f in shards]
     except Exception as e:  # network and cache errors come in many classes; say one thing
         why = f"Could not fetch {HUB_DATASET} ({type(e).__name__})"
         raise ConnectionError(f"{why}: run the download where there is internet, "
@@ -255,8 +252,7 @@ class GlobalBatchSampler:
 
 # ---------------------------------------------------------------- command line
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minidist.data",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minidist.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="play legal games with python-chess")
     gen.add_argument("--num_games", type=int, required=True)
@@ -278,14 +274,12 @@ def main(argv=None):
     try:
         if args.command == "generate":
             if args.test_games and not args.test_out:
-                raise ValueError("--test_games needs --test_out FILE for the held-out games.")
+                parser.error("--test_games needs --test_out FILE for the held-out games")
             # Extra games so that test keeps K distinct games after dropping any that occur in
             # train: short games, like a quick mate, can repeat, and a held-out game must be unseen.
             games = generate_games(args.num_games + 2 * args.test_games, args.seed, args.max_plies)
-            train = games[:args.num_games]
-            seen = set(train)
-            test = [t for t in dict.fromkeys(games[args.num_games:]) if t not in seen]
-            test = test[:args.test_games]
+            train, seen = games[:args.num_games], set(games[:args.num_games])
+            test = [t for t in dict.fromkeys(games[args.num_games:]) if t not in seen][:args.test_games]
             if len(test) < args.test_games:
                 raise ValueError("Too few distinct held-out games: ask for fewer --test_games.")
             write_games(train, args.out)
@@ -294,8 +288,7 @@ def main(argv=None):
             print(f"wrote {len(train)} games to {args.out}"
                   + (f" and {len(test)} to {args.test_out}" if args.test_games else ""))
         elif args.command == "convert":
-            count = convert_parquet(args.shards, args.out, args.max_games)
-            print(f"wrote {count} games to {args.out}")
+            print(f"wrote {convert_parquet(args.shards, args.out, args.max_games)} games to {args.out}")
         else:
             counts = download_dataset(args.out, args.num_shards, args.max_games, args.test_games)
             print(f"wrote {counts['train']} train and {counts['test']} test games to {args.out}")
