@@ -48,9 +48,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLog:
     """Append one JSON object per step to a file, flushed at once: a crash loses no step."""
 
-    def __init__(self, path: Path, append: bool = False):
+    def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a" if append else "w", encoding="utf-8")
+        self.file = open(path, "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")

@@ -117,8 +117,9 @@ def write_tiny_llama(out_dir, *, hidden_size=256, num_layers=4, num_heads=4, see
 def resolve(name_or_path: str) -> str:
     """Turn `tiny` into its folder (writing it once), check local folders exist, pass hub names on.
 
-    A name that looks like a path (it exists, starts with . or /, or has no `org/` form) must be
-    a folder with a config.json, or we say so now rather than let the hub client guess.
+    A name that looks like a path (it exists, starts with . / or ~, or has more slashes than a
+    hub id's `org/name`) must be a folder with a config.json, or we say so now rather than let
+    the hub client guess. Anything else (`gpt2`, `codellama/CodeLlama-7b-hf`) goes to the hub.
     """
     if name_or_path == TINY:
         folder = tiny_model_dir()
@@ -132,7 +133,7 @@ def resolve(name_or_path: str) -> str:
                 shutil.rmtree(tmp)
         return str(folder)
     path = Path(name_or_path)
-    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
+    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not (path.expanduser() / "config.json").exists():
         raise FileNotFoundError(
             f"model folder {name_or_path!r} not found (or has no config.json): pass a hub name "
@@ -142,11 +143,23 @@ def resolve(name_or_path: str) -> str:
     return str(path.expanduser()) if looks_local else name_or_path
 
 
+def _from_pretrained(auto_class, name_or_path: str, **kwargs):
+    """`auto_class.from_pretrained`, with one sentence instead of a page when the hub is out of reach."""
+    try:
+        return auto_class.from_pretrained(resolve(name_or_path), **kwargs)
+    except OSError as err:
+        first_line = str(err).strip().splitlines()[0]
+        raise FileNotFoundError(
+            f"could not load {name_or_path!r} ({first_line}): on a node without internet, cache it first "
+            f"with `python -m minidist.models download {name_or_path}` where there is internet"
+        ) from err
+
+
 def load_tokenizer(name_or_path: str):
     """Load a tokenizer; give it a pad token if it has none (Llama's has none: reuse unk or eos)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve(name_or_path))
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
     return tokenizer
@@ -156,7 +169,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device="cp
     """Load a causal LM in `dtype` onto `device`. fp32 by default: the master weights of training."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype)
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=dtype)
     return model.to(device)
 
 

@@ -6,7 +6,9 @@ PyTorch's DDP or FSDP2, must give the same losses and the same final weights.
 """
 
 import json
+import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -98,7 +100,9 @@ def test_bf16_tracks_fp32(tiny_model, reference, tmp_path, strategy):
     assert not torch.equal(losses, fp32)
 
 
-def run_cli(*argv, env=None):
+def run_cli(*argv):
+    # Offline with an empty cache, as on a compute node: a hub name that is not cached must fail fast.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": tempfile.mkdtemp()}
     return subprocess.run([sys.executable, "-m", "minidist.finetune", *argv], capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -107,6 +111,7 @@ def run_cli(*argv, env=None):
     (["--data", "/no/such/games.jsonl"], "No games file at /no/such/games.jsonl"),
     (["--impl", "minidist", "--strategy", "ddp"], "minidist/ddp is not built yet"),
     (["--batch_size_per_device", "0"], "--batch_size_per_device must be at least 1"),
+    (["--model", "some-org/not-cached"], "could not load 'some-org/not-cached'"),
 ])
 def test_bad_input_ends_with_one_line(tiny_model, tmp_path, argv, expected):
     args = ["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", *argv]

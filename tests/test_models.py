@@ -68,3 +68,7 @@ def test_a_missing_local_folder_is_named(name):
 
 def test_hub_names_pass_through_untouched():
     assert models.resolve("codellama/CodeLlama-7b-hf") == "codellama/CodeLlama-7b-hf"
+
+
+def test_a_bare_hub_name_goes_to_the_hub():
+    assert models.resolve("gpt2") == "gpt2"
