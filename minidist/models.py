@@ -83,17 +83,12 @@ def build_chess_tokenizer():
     )
 
 
-def write_tiny_llama(out_dir, *, hidden_size=256, num_layers=4, num_heads=4, seed=0) -> Path:
-    """Write a randomly initialised Llama and its chess tokenizer to `out_dir`; return the path.
-
-    The defaults give 4.15M parameters: 4 decoder layers of 0.78M each, plus an input embedding
-    and an (untied, as in CodeLlama) output layer of 0.51M each over 1,975 tokens.
-    The same seed writes the same weights, so every test and rank starts from one model.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(*, hidden_size=256, num_layers=4, num_heads=4, tie_word_embeddings=False):
+    """The configuration of a small Llama over the chess vocabulary (no weights yet)."""
+    from transformers import LlamaConfig
 
     tokenizer = build_chess_tokenizer()
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 8 // 3 // 8 * 8,  # Llama's 8/3 ratio, rounded to 8
@@ -104,13 +99,28 @@ def write_tiny_llama(out_dir, *, hidden_size=256, num_layers=4, num_heads=4, see
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def write_tiny_llama(out_dir, *, hidden_size=256, num_layers=4, num_heads=4, seed=0, tie_word_embeddings=False) -> Path:
+    """Write a randomly initialised Llama and its chess tokenizer to `out_dir`; return the path.
+
+    The defaults give 4.15M parameters: 4 decoder layers of 0.78M each, plus an input embedding
+    and an (untied, as in CodeLlama) output layer of 0.51M each over 1,975 tokens.
+    The same seed writes the same weights, so every test and rank starts from one model.
+    `tie_word_embeddings=True` shares one matrix between the embedding and the output layer, as
+    GPT-2 and many small models do: strategies must then reduce that gradient once, not twice.
+    """
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                               tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     out = Path(out_dir)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    build_chess_tokenizer().save_pretrained(out)
     return out
 
 
