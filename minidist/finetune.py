@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from minidist import data, evaluate, metrics, models
 from minidist.distributed import cleanup, init_distributed
-from minidist.strategies import IMPLEMENTATIONS, STRATEGIES, get_strategy
+from minidist.strategies import DDP_VARIANTS, IMPLEMENTATIONS, STRATEGIES, get_strategy
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impl", choices=IMPLEMENTATIONS, default="torch", help="minidist (by hand) or torch (reference)")
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
     p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
+    p.add_argument("--ddp_variant", choices=DDP_VARIANTS, help="minidist DDP: bucketed (the default) or naive")
+    p.add_argument("--bucket_cap_mb", type=float, help="minidist DDP: gradient bucket size in MB (default 25)")
     p.add_argument("--batch_size_per_device", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=3e-3)
@@ -84,8 +86,10 @@ def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     with strategy.autocast():
         # use_cache=False: a key/value cache only helps generation; in training it is dead memory.
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    # Position t predicts token t+1; padding carries the label -100 and is ignored.
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+    # Position t predicts token t+1; padding carries the label -100 and is ignored. The softmax
+    # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
                            ignore_index=-100, reduction="sum")
 
 
@@ -116,7 +120,8 @@ def train(args) -> dict:
         hf_logging.disable_progress_bar()
     micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
     try:  # everything a learner can get wrong, checked before the expensive model load
-        strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy)
+        options = {k: getattr(args, k) for k in ("ddp_variant", "bucket_cap_mb") if getattr(args, k) is not None}
+        strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy, **options)
         args.model = models.resolve(args.model)
         tokenizer = models.load_tokenizer(args.model)
         sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
@@ -148,6 +153,7 @@ def train(args) -> dict:
         return result["legal_move_rate"]
 
     results = {"rate_before": legal_rate("before training"), "losses": []}
+    strategy.comm_bytes()  # count from here: the first step's total starts at zero
     bar = tqdm(total=args.max_steps, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(args.max_steps):
         t0 = time.perf_counter()
@@ -171,7 +177,8 @@ def train(args) -> dict:
         tokens = sum(len(sequences[i]) for i in global_ids)
         record = {"step": step + 1, "loss": total.item() / num_targets, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
-                  "peak_memory_bytes": metrics.peak_memory_bytes(env.device)}
+                  "peak_memory_bytes": metrics.peak_memory_bytes(env.device),
+                  "comm_bytes": strategy.comm_bytes()}  # sent by this rank in the step; None for --impl torch
         peak = metrics.peak_flops(env.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
             mean_len = tokens / len(global_ids)

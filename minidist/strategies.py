@@ -25,6 +25,7 @@ from torch import nn
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 IMPLEMENTATIONS = ("minidist", "torch")
+DDP_VARIANTS = ("bucketed", "naive")
 
 
 class Strategy:
@@ -54,6 +55,11 @@ class Strategy:
     def autocast(self):
         """The compute precision of forward and backward (parameters stay fp32 masters)."""
         return nullcontext()
+
+    def comm_bytes(self) -> float | None:
+        """Bytes this rank sent for gradients and parameters since the last call, counted by
+        `comm.py` under the ring algorithm; None where PyTorch does the communication itself."""
+        return None
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
@@ -90,6 +96,36 @@ class TorchDDP(Strategy):
         if not self.env.is_main:
             return None
         return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+
+
+class MinidistDDP(TorchDDP):
+    """The hand-written DDP of `ddp.py`: bucketed with overlap, or naive (`--ddp_variant naive`).
+
+    Everything but `wrap` is as for PyTorch's DDP: the wrapper keeps the model in `.module` and
+    has a `no_sync()`, so unwrapping, mixed precision and saving are the same."""
+
+    def __init__(self, env, mixed_precision="fp32", layer_wrap_policy=True, ddp_variant="bucketed", bucket_cap_mb=25.0):
+        super().__init__(env, mixed_precision, layer_wrap_policy)
+        if ddp_variant not in DDP_VARIANTS:
+            raise ValueError(f"unknown --ddp_variant {ddp_variant!r}: choose from {DDP_VARIANTS}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"--bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.ddp_variant, self.bucket_cap_mb = ddp_variant, bucket_cap_mb
+
+    def wrap(self, model):
+        from minidist import ddp
+
+        model = model.to(self.env.device)
+        if self.ddp_variant == "naive":
+            return ddp.NaiveDDP(model)
+        return ddp.BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb)
+
+    def comm_bytes(self):
+        from minidist import comm
+
+        sent = comm.counter.bytes_sent
+        comm.counter.reset()
+        return sent
 
 
 def wrap_policy_classes(model: nn.Module) -> set[str]:
@@ -144,12 +180,18 @@ class TorchFSDP(Strategy):
         return state if self.env.is_main else None
 
 
-def get_strategy(name: str, impl: str, env, mixed_precision="fp32", layer_wrap_policy=True) -> Strategy:
-    """Pick a strategy by name and implementation; say in one line if it is not built yet."""
+def get_strategy(name: str, impl: str, env, mixed_precision="fp32", layer_wrap_policy=True, **options) -> Strategy:
+    """Pick a strategy by name and implementation; say in one line if it is not built yet.
+
+    `options` go to the strategy's constructor (the hand-written DDP takes `ddp_variant` and
+    `bucket_cap_mb`)."""
     if name not in STRATEGIES or impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown strategy {impl}/{name}: choose --strategy from {STRATEGIES}, --impl from {IMPLEMENTATIONS}")
-    built = {("torch", "ddp"): TorchDDP, ("torch", "fsdp"): TorchFSDP}
+    built = {("torch", "ddp"): TorchDDP, ("torch", "fsdp"): TorchFSDP, ("minidist", "ddp"): MinidistDDP}
     if (impl, name) not in built:
         ready = ", ".join(f"--impl {i} --strategy {n}" for i, n in built)
         raise NotImplementedError(f"{impl}/{name} is not built yet; available now: {ready}")
-    return built[(impl, name)](env, mixed_precision=mixed_precision, layer_wrap_policy=layer_wrap_policy)
+    if options and built[(impl, name)] is not MinidistDDP:
+        flags = ", ".join(f"--{key}" for key in options)
+        raise ValueError(f"{flags} only applies to --impl minidist --strategy ddp, not {impl}/{name}")
+    return built[(impl, name)](env, mixed_precision=mixed_precision, layer_wrap_policy=layer_wrap_policy, **options)

@@ -52,20 +52,23 @@ def reference(tiny_model):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-SPLITS = [  # (strategy, world size, batch per device, accumulation, extra flags)
-    ("ddp", 1, 4, 1, []),
-    ("ddp", 2, 2, 1, []),
-    ("ddp", 2, 1, 2, []),
-    ("fsdp", 2, 2, 1, []),
-    ("fsdp", 2, 1, 2, ["--gradient_checkpointing"]),
-    ("fsdp", 2, 1, 2, ["--no_layer_wrap_policy"]),
+SPLITS = [  # (implementation, strategy, world size, batch per device, accumulation, extra flags)
+    ("torch", "ddp", 1, 4, 1, []),
+    ("torch", "ddp", 2, 2, 1, []),
+    ("torch", "ddp", 2, 1, 2, []),
+    ("torch", "fsdp", 2, 2, 1, []),
+    ("torch", "fsdp", 2, 1, 2, ["--gradient_checkpointing"]),
+    ("torch", "fsdp", 2, 1, 2, ["--no_layer_wrap_policy"]),
+    # The hand-written DDP through the same loop (tests/test_ddp.py tests it in depth).
+    ("minidist", "ddp", 2, 1, 2, ["--gradient_checkpointing", "--bucket_cap_mb", "0.5"]),
 ]
 
 
-@pytest.mark.parametrize("strategy,world,batch,accum,extra", SPLITS)
-def test_every_split_matches_the_single_process_reference(tiny_model, reference, tmp_path, strategy, world, batch, accum, extra):
+@pytest.mark.parametrize("impl,strategy,world,batch,accum,extra", SPLITS)
+def test_every_split_matches_the_single_process_reference(tiny_model, reference, tmp_path, impl, strategy, world, batch,
+                                                          accum, extra):
     argv = common_args(tiny_model, tmp_path, "run") + [
-        "--impl", "torch", "--strategy", strategy, "--batch_size_per_device", str(batch),
+        "--impl", impl, "--strategy", strategy, "--batch_size_per_device", str(batch),
         "--gradient_accumulation_steps", str(accum)] + extra
     result = launch(run_finetune, world, argv, timeout_s=300)[0]
     ref_losses, ref_params = reference
@@ -82,6 +85,10 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "lr", "step_time_s", "tokens", "tokens_per_s", "peak_memory_bytes"):
         assert all(r[key] > 0 for r in records), key
+    # minidist counts what its collectives send: one all-reduce of every gradient per step.
+    parameters = sum(t.numel() for t in result["parameters"].values())
+    expected = 2 * parameters * (world - 1) / world * 4 if impl == "minidist" else None
+    assert [r["comm_bytes"] for r in records] == [expected] * STEPS
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
     for name, tensor in saved.state_dict().items():
         torch.testing.assert_close(tensor, result["parameters"][name], rtol=0, atol=0)
@@ -109,7 +116,8 @@ def run_cli(*argv):
 @pytest.mark.parametrize("argv,expected", [
     (["--model", "/no/such/model"], "model folder '/no/such/model' not found"),
     (["--data", "/no/such/games.jsonl"], "No games file at /no/such/games.jsonl"),
-    (["--impl", "minidist", "--strategy", "ddp"], "minidist/ddp is not built yet"),
+    (["--impl", "minidist", "--strategy", "fsdp"], "minidist/fsdp is not built yet"),
+    (["--strategy", "ddp", "--ddp_variant", "naive"], "--ddp_variant only applies to --impl minidist --strategy ddp"),
     (["--batch_size_per_device", "0"], "--batch_size_per_device must be at least 1"),
     (["--model", "some-org/not-cached"], "could not load 'some-org/not-cached'"),
 ])

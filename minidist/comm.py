@@ -1,0 +1,140 @@
+"""Collectives: what goes over the wire, and how many bytes each rank sends.
+
+Every data-parallel strategy is built from three collectives over N ranks:
+
+- ``all_reduce(x)``: every rank ends with the sum of everyone's ``x``. DDP uses it on gradients.
+- ``reduce_scatter(out, x)``: the sum of everyone's ``x`` is cut into N shards and rank r keeps
+  shard r. ZeRO-2 and FSDP use it on gradients: each rank only needs the gradient of its shard.
+- ``all_gather(out, shard)``: every rank's shard, concatenated, on every rank. ZeRO and FSDP use
+  it to rebuild full parameters from shards.
+
+How much does each cost? NCCL and gloo use (among others) the *ring* algorithm: the ranks form a
+ring, the tensor is cut into N chunks, and in each of N-1 rounds every rank sends one chunk to
+its right neighbour. A reduce-scatter is N-1 rounds in which the chunk received is added to
+one's own; after them rank r holds one chunk summed over all ranks. An all-gather is N-1 rounds
+that pass the finished chunks around. An all-reduce is a reduce-scatter followed by an
+all-gather. Per rank, for a tensor of S bytes:
+
+    reduce_scatter, all_gather:  (N-1)/N * S
+    all_reduce:                 2(N-1)/N * S
+
+which hardly depends on N: the ring is *bandwidth optimal* (Patarasuk and Yuan 2009, "Bandwidth
+optimal all-reduce algorithms for clusters of workstations"; NCCL's "bus bandwidth" in
+nccl-tests/doc/PERFORMANCE.md uses the same factors). So a DDP step sends 2(N-1)/N x 4P bytes
+per rank for P fp32 gradients, whether N is 2 or 1,000.
+
+The wrappers below call ``torch.distributed`` (which picks its own algorithm) and count the bytes
+the ring would send, into a per-process ``counter`` that the training loop reads once per step
+(``comm_bytes`` in metrics.jsonl). ``ring_all_reduce`` then does the same all-reduce by hand
+with point-to-point ``send``/``recv``, to show there is no magic in the library call.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+class ByteCounter:
+    """Bytes this rank would send under the ring algorithm, summed since the last ``reset``.
+
+    The fractions (N-1)/N are kept exact: the counter adds (N-1) x size and divides by N only
+    when read, so a step's total equals the formula 2·P·(N-1)/N x bytes exactly, not up to
+    rounding.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._times_world = 0  # bytes x N, so that every term is an integer
+        self._world = 1
+
+    def add(self, rounds: int, nbytes: int, world_size: int) -> None:
+        """``rounds`` ring rounds (N-1 or 2(N-1)), each sending 1/N of ``nbytes``."""
+        if self._times_world and world_size != self._world:
+            raise ValueError("one counter counts one process group; reset it before switching groups")
+        self._world = world_size
+        self._times_world += rounds * nbytes
+
+    @property
+    def bytes_sent(self) -> float:
+        return self._times_world / self._world
+
+
+counter = ByteCounter()  # one per process: each rank counts what it sends
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``tensor`` over the ranks, in place. With ``async_op`` return a handle to ``wait()`` on."""
+    n = _world(group)
+    counter.add(2 * (n - 1), tensor.numel() * tensor.element_size(), n)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``input`` (N equal shards, concatenated) over the ranks; rank r gets shard r in ``output``."""
+    n = _world(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}")
+    counter.add(n - 1, input.numel() * input.element_size(), n)
+    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's ``shard`` into ``output`` (N x the shard), on every rank."""
+    n = _world(group)
+    if output.numel() != n * shard.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {shard.numel()}")
+    counter.add(n - 1, output.numel() * output.element_size(), n)
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None):
+    """Copy rank ``src``'s ``tensor`` to every rank. Used once, when a strategy wraps a model, so
+    it is not part of a training step's count."""
+    return dist.broadcast(tensor, src=src, group=group)
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce (sum) ``tensor`` in place with nothing but send and recv between neighbours.
+
+    The tensor is viewed flat and cut into N chunks (the first ones one element longer when N
+    does not divide it). In round s of the reduce-scatter phase, rank r sends chunk (r - s) to
+    rank r+1 and adds the chunk (r - s - 1) it receives from rank r-1 into its own. After N-1
+    rounds, chunk (r + 1) has passed through every rank and holds the full sum on rank r. The
+    all-gather phase passes these finished chunks around the ring for N-1 more rounds, copying
+    instead of adding. Each rank sends 2(N-1) chunks in all: 2(N-1)/N of the tensor.
+
+    Returns ``tensor``. Equal to ``dist.all_reduce`` up to the order of floating-point additions.
+    """
+    n, rank = _world(group), dist.get_rank(group)
+    if n == 1:
+        return tensor
+    flat = tensor.view(-1)  # a view: writing into the chunks writes into the tensor
+    chunks = list(torch.tensor_split(flat, n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    if group is not None:  # send/recv take global ranks
+        right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
+
+    def exchange(send_index: int, recv_index: int, reduce: bool) -> None:
+        outgoing = chunks[send_index]
+        incoming = torch.empty_like(chunks[recv_index])
+        # Post the receive and the send together: if every rank sent first and waited, a
+        # backend without buffering would deadlock the whole ring.
+        requests = [dist.isend(outgoing, right, group=group), dist.irecv(incoming, left, group=group)]
+        for request in requests:
+            request.wait()
+        counter.add(n, outgoing.numel() * outgoing.element_size(), n)  # exactly what went out
+        if reduce:
+            chunks[recv_index].add_(incoming)
+        else:
+            chunks[recv_index].copy_(incoming)
+
+    for s in range(n - 1):  # reduce-scatter: partial sums travel right
+        exchange((rank - s) % n, (rank - s - 1) % n, reduce=True)
+    for s in range(n - 1):  # all-gather: finished sums travel right
+        exchange((rank + 1 - s) % n, (rank - s) % n, reduce=False)
+    return tensor

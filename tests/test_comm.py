@@ -1,0 +1,40 @@
+"""The collectives of minidist.comm: the ring all-reduce by hand, and the bytes counted."""
+
+import pytest
+import torch
+
+from minidist.launch import launch
+from ddp_workers import collectives_and_their_counts, ring_against_library
+
+# Sizes that N does not divide, and sizes smaller than N (some ranks get an empty chunk).
+SIZES = [1, 2, 5, 7, 1001, 4099]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_ring_all_reduce_equals_the_library_call(world):
+    all_results = launch(ring_against_library, world, SIZES, timeout_s=120)
+    for rank, results in enumerate(all_results):
+        for r in results:
+            # Integers add exactly in any order: the ring must give the very same numbers.
+            assert torch.equal(r["ring_int"], r["expected_int"]), (world, rank, r["size"])
+            # Floats only up to the order of the additions.
+            torch.testing.assert_close(r["ring"], r["expected"], rtol=1e-12, atol=1e-12)
+    # Every chunk goes N-1 times round the ring in each phase: 2(N-1) x the tensor, over all ranks.
+    for i, size in enumerate(SIZES):
+        total = sum(results[i]["ring_bytes"] for results in all_results)
+        assert total == 2 * (world - 1) * size * 8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_and_all_gather_and_their_byte_counts(world):
+    shard_size = 3
+    results = launch(collectives_and_their_counts, world, shard_size, timeout_s=120)
+    full = torch.arange(world * shard_size, dtype=torch.float32)
+    total = full * sum(range(1, world + 1))  # rank r contributed (r + 1) x full
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["shard"], total[rank * shard_size:(rank + 1) * shard_size], rtol=0, atol=0)
+        torch.testing.assert_close(r["gathered"], total, rtol=0, atol=0)
+        torch.testing.assert_close(r["all_reduced"], total, rtol=0, atol=0)
+        nbytes = world * shard_size * 4  # the full tensor
+        assert r["rs_bytes"] == r["ag_bytes"] == (world - 1) * nbytes / world
+        assert r["ar_bytes"] == 2 * (world - 1) * nbytes / world
