@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 -m minidist.finetune          # laptop: tiny Llama, 2 CPU ranks
     python -m minidist.finetune --max_steps 5                  # one process
+    torchrun ... -m minidist.finetune --save_steps 50 --resume # checkpoints; go on after a kill (state.py)
     sbatch slurm/chess_finetune.sh                             # CodeLlama-7b on 4 A100s
 
 One loop for every strategy: the strategy wraps the model, builds the optimizer and decides
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, metrics, models
+from minidist import data, evaluate, memory_measure, metrics, models, preemption, state
 from minidist.distributed import cleanup, init_distributed
 from minidist.strategies import DDP_VARIANTS, IMPLEMENTATIONS, STRATEGIES, get_strategy
 
@@ -62,12 +63,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
     p.add_argument("--no_save", action="store_true", help="do not write the fine-tuned model")
+    p.add_argument("--save_steps", type=int, default=0,
+                   help="write a checkpoint every N steps (0: only when SIGTERM or SIGUSR1 stops the run)")
+    p.add_argument("--save_total_limit", type=int, default=2, help="keep the newest K checkpoints (0: keep all)")
+    p.add_argument("--checkpoint_format", choices=("sharded", "full"), default="sharded",
+                   help="sharded: each rank writes its shard (DCP); full: a from_pretrained folder + optimizer.pt")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint in --output_dir, or from the checkpoint folder given")
     args = p.parse_args(argv)
     if args.no_fsdp:
         args.strategy = "ddp"
     for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    for name in ("save_steps", "save_total_limit"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be 0 or more")
     if args.max_seq_length < 2:
         p.error("--max_seq_length must be at least 2 (a token and the one that follows it)")
     return args
@@ -127,8 +138,15 @@ def train(args) -> dict:
         sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
         sampler = data.GlobalBatchSampler(len(sequences), micro_bs * env.world_size * accum, args.seed)
         prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
+        # What a checkpoint must share with this run for the resume to be exact (state.verify).
+        run = {"model": state.model_fingerprint(args.model), "strategy": f"{args.impl}/{args.strategy}",
+               "global_batch_size": sampler.global_batch_size, "seed": args.seed, "num_examples": len(sequences)}
+        resume = state.find(args.resume, args.output_dir) if args.resume else None
+        if resume:
+            state.verify(resume, run)
     except (FileNotFoundError, NotImplementedError, ValueError) as err:
         raise UsageError(err) from err
+    stop_signals = preemption.StopSignals()  # from here SIGTERM/SIGUSR1 mean: save after this step, stop
 
     model = models.load_model(args.model)
     config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
@@ -152,10 +170,24 @@ def train(args) -> dict:
         say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
         return result["legal_move_rate"]
 
-    results = {"rate_before": legal_rate("before training"), "losses": []}
+    checkpoints = state.Checkpointer(out, strategy, model, optimizer, scheduler, run, args.checkpoint_format,
+                                     args.save_total_limit, tokenizer)
+    start = 0
+    if resume:  # weights, Adam moments, LR step, RNGs and the metrics of steps 1..start
+        restored = checkpoints.load(resume)
+        start = restored["step"]
+        epoch, offset = restored["position"]
+        say(f"resumed from {resume} at step {start} (data epoch {epoch}, offset {offset})")
+        if log:  # metrics.jsonl becomes steps 1..start: what a killed run logged after them goes
+            for record in restored["records"]:
+                log.write(record)
+        results = {"rate_before": restored["extra"]["rate_before"], "losses": [r["loss"] for r in restored["records"]]}
+    else:
+        results = {"rate_before": legal_rate("before training"), "losses": []}
     strategy.comm_bytes()  # count from here: the first step's total starts at zero
-    bar = tqdm(total=args.max_steps, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
-    for step in range(args.max_steps):
+    meter = memory_measure.MemoryMeter(env.device)
+    bar = tqdm(total=args.max_steps, initial=start, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
+    for step in range(start, args.max_steps):
         t0 = time.perf_counter()
         global_ids = sampler.global_batch(step)
         num_targets = sum(len(sequences[i]) - 1 for i in global_ids)  # every rank can count it
@@ -163,10 +195,12 @@ def train(args) -> dict:
         for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_bs):
             batch = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
             micro_batches.append({name: tensor.to(env.device) for name, tensor in batch.items()})
-        loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
+        with meter.step():  # watches what forward saves for backward; on a GPU, resets the allocator's peak
+            loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
         grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
+        memory = meter.read(model, optimizer)  # before zero_grad: the gradients are still held
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         total = loss_sum.clone()
@@ -175,9 +209,10 @@ def train(args) -> dict:
             torch.cuda.synchronize(env.device)
         step_time = time.perf_counter() - t0
         tokens = sum(len(sequences[i]) for i in global_ids)
+        memory = memory_measure.gather(memory, env.device)  # outside the timed step: every rank's figures
         record = {"step": step + 1, "loss": total.item() / num_targets, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
-                  "peak_memory_bytes": metrics.peak_memory_bytes(env.device),
+                  "peak_memory_bytes": max(memory["peak"]), "memory_bytes": memory,  # per rank, lists by rank
                   "comm_bytes": strategy.comm_bytes()}  # sent by this rank in the step; None for --impl torch
         peak = metrics.peak_flops(env.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
@@ -191,7 +226,21 @@ def train(args) -> dict:
                 tqdm.write(metrics.format_step(record, args.max_steps))
             bar.update()
             bar.set_postfix(loss=f"{record['loss']:.3f}")
+        preemption.pause_if_asked("step", step + 1)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
+        stop = stop_signals.agreed(env.device)  # every rank votes, so all of them stop after this same step
+        if stop or (args.save_steps and (step + 1) % args.save_steps == 0):
+            saved = checkpoints.save(step + 1, sampler.position(step + 1), out / "metrics.jsonl",
+                                     {"rate_before": results["rate_before"]})
+        if stop:
+            results["stopped"] = {"signal": stop_signals.received(), "step": step + 1, "checkpoint": saved}
+            break
     bar.close()
+    stop_signals.restore()
+    if "stopped" in results:  # not finished: no evaluation, no final model; the checkpoint has it all
+        if env.is_main:
+            log.close()
+            preemption.say_stopped(results["stopped"]["signal"] or "a peer's signal", step + 1, saved)
+        return results
     results["rate_after"] = legal_rate("after training")
     full_state = None if args.no_save else strategy.full_state_dict(model)
     if env.is_main:
@@ -208,7 +257,8 @@ def train(args) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        train(args)
+        if "stopped" in train(args):
+            sys.exit(preemption.EXIT_STOPPED)  # "try again later": the batch script or the learner resumes
     except UsageError as err:
         if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
             print(f"minidist.finetune: error: {err}", file=sys.stderr)

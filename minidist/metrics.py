@@ -1,4 +1,4 @@
-"""Metrics: what one optimizer step cost, in seconds, tokens, FLOPs and bytes.
+"""Metrics: what one optimizer step cost, in seconds, tokens and FLOPs (bytes: `memory_measure.py`).
 
 Training FLOPs per token, from Kaplan et al. 2020 ("Scaling Laws for Neural Language Models",
 section 2.1) and the Megatron-LM paper (Narayanan et al. 2021, appendix): a forward pass costs
@@ -10,8 +10,6 @@ those FLOPs represent: recomputation for activation checkpointing is not counted
 
 import json
 import os
-import resource
-import sys
 from pathlib import Path
 
 import torch
@@ -30,19 +28,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank so far.
-
-    On a GPU: the most bytes PyTorch's allocator has handed out (`max_memory_allocated`). On the
-    CPU there is no such counter, so this is the process's peak resident set size: it includes
-    the Python interpreter and libraries, so read it as an upper bound on what training used.
-    """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 class MetricsLog:

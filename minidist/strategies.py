@@ -8,10 +8,11 @@ The training loop in `finetune.py` never asks which strategy it runs. It calls:
         loss.backward()
     strategy.clip_grad_norm_(model, max_norm); optimizer.step()
 
-and, to save, `strategy.full_state_dict(model)`. Each strategy is a name (`ddp`, `zero1`,
-`zero2`, `fsdp`) and an implementation: `torch` (PyTorch's own DistributedDataParallel and
-FSDP2 `fully_shard`, the reference) or `minidist` (written by hand in `ddp.py`, `zero.py` and
-`fsdp.py`, checked against the reference).
+and, to save, `strategy.full_state_dict(model)` (the weights) or `strategy.get_state_dict` and
+`set_state_dict` (model and optimizer, for checkpoints: `state.py`). Each strategy is a name
+(`ddp`, `zero1`, `zero2`, `fsdp`) and an implementation: `torch` (PyTorch's own
+DistributedDataParallel and FSDP2 `fully_shard`, the reference) or `minidist` (written by hand
+in `ddp.py`, `zero.py` and `fsdp.py`, checked against the reference).
 
 Both implementations *average* gradients over ranks, as PyTorch's DDP does. The loop divides
 each rank's summed token loss by the token count of the whole global batch and multiplies by
@@ -68,6 +69,28 @@ class Strategy:
     def full_state_dict(self, model) -> dict | None:
         """The whole model's weights on rank 0, on the CPU (None on other ranks). Every rank calls it."""
         raise NotImplementedError
+
+    def get_state_dict(self, model, optimizer, full: bool) -> tuple[dict, dict]:
+        """The model's and the optimizer's state for a checkpoint (`state.py`), keyed by parameter name.
+
+        full=True: whole tensors on rank 0's CPU, empty dicts elsewhere. full=False: each rank's
+        own shards (DTensors where sharded), which DCP writes in parallel and reshards on load.
+        PyTorch's helpers handle plain modules, DDP and FSDP2; a strategy that shards by hand
+        (ZeRO, FSDP) overrides this and `set_state_dict` to hand out and take back its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        return get_state_dict(self.unwrap(model), optimizer, options=options)
+
+    def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full: bool) -> None:
+        """Load what `get_state_dict` gave; full=True: rank 0 holds it and broadcasts, the others pass {}."""
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        options = dsd.StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
+        # Two calls, not set_state_dict: it would take the empty model dict of ranks > 0 to mean
+        # "optimizer only", and those ranks would skip the broadcasts rank 0 sends.
+        dsd.set_optimizer_state_dict(self.unwrap(model), optimizer, optim_state_dict, options=options)
+        dsd.set_model_state_dict(self.unwrap(model), model_state_dict, options=options)
 
 
 class TorchDDP(Strategy):

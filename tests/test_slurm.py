@@ -64,3 +64,29 @@ def test_sizes_that_do_not_divide_stop_the_job_with_one_line(tiny_model, tmp_pat
     assert done.returncode != 0
     assert log.strip().splitlines() == [
         "error: TOTAL_BATCH_SIZE=10 is not divisible by 2 GPUs x BATCH_SIZE_PER_DEVICE=4; pick sizes whose product divides it"]
+
+
+def test_usr1_saves_a_checkpoint_requeues_and_the_next_start_resumes(tiny_model, tmp_path):
+    """The preemption path of a real cluster, through the fakes: SLURM's warning signal reaches the
+    batch shell (`--signal=B:USR1@90`), which forwards it through srun and torchrun to the ranks;
+    they save after their step and exit; the script requeues the job; the second start resumes."""
+    log = tmp_path / "chess-finetune-42.out"
+    done, text = sbatch(tmp_path, tiny_model, "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0",
+                        "--checkpoint_format", "full",
+                        # The ranks wait after step 3 until a signal comes; "90 s before the time
+                        # limit" is when the fake sbatch sees them waiting.
+                        MINIDIST_PAUSE_AT="step:3", FAKE_SLURM_SIGNAL_WHEN=f"grep -q 'paused at step 3' {log}")
+    assert done.returncode == 0, text
+    first, _, second = text.partition("(start 2)")  # --open-mode=append: both starts in one log
+    assert "(start 1)" in first and second, text
+    assert "USR1: the time limit is near; asking the training to save and stop" in first
+    assert "stopped by SIGUSR1 after step 3: saved" in first
+    assert "scontrol (fake): job 42 requeued" in first
+    assert "step    4/6" not in first
+    assert f"resumed from {tmp_path / 'out' / 'checkpoint-3'} at step 3" in second
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "out" / "model" / "config.json").exists()
+    # Full form: the checkpoint's model is a Hugging Face folder.
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-3" / "model").config.hidden_size == 64

@@ -1,0 +1,406 @@
+"""Memory: where the bytes of a training step go, per rank, for any model, strategy and batch.
+
+    python -m minidist.memory codellama/CodeLlama-7b-hf --world_size 4 --strategy fsdp \\
+        --batch_size_per_device 1 --max_seq_length 1024 --gradient_checkpointing --gpu_memory 80GB
+
+The model is built from its config on the meta device (shapes, no storage, no weights read), so
+P counts every parameter once, a tied embedding included. Sizes are bytes; 1 GB = 1e9 bytes.
+`minidist.memory_measure` measures the same terms in the training loop; tests/test_memory.py
+holds the two together.
+
+**Model states** (Rajbhandari et al. 2020, "ZeRO", section 3). AdamW keeps two moments per
+parameter; with fp32 parameters and gradients that is 4 + 4 + 8 = 16 bytes per parameter.
+`--mixed_precision bf16` in this loop computes in bf16 but keeps the fp32 parameters as the
+master weights (autocast for DDP, FSDP2's bf16 all-gather for FSDP), so the 16 bytes stay
+4 + 4 + 8. The ZeRO paper's split, 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master,
+m, v), gives the same 16 for DDP and FSDP; it is assumed for the hand-written ZeRO and FSDP.
+What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradients, FSDP
+(ZeRO-3) also the parameters. FSDP2 shards each tensor on dim 0 (ceil(rows/N) rows, padded).
+
+**Buffers and gathered units.** A bucketed DDP (PyTorch's, and `ddp.py`'s) allocates buckets for
+every gradient when it wraps the model: a second copy of the gradients, 4P (PyTorch's
+`gradient_as_bucket_view=True` would make the gradients views of the buckets). FSDP all-gathers
+each unit before use: the root unit (embeddings, final norm, output layer) stays gathered from
+the start of forward to the end of backward, its gradients too; a layer unit is gathered with
+the next one prefetched, and in backward its full gradient plus the fp32 reduce-scatter input
+exist until the reduce-scatter. Without the layer wrap policy the one unit is the whole model.
+
+**Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4, redone for the Llama layer as transformers runs it): what autograd saves
+for backward, per token and per layer, read off `modeling_llama.py` and checked with saved-tensor
+hooks. h = hidden, I = MLP width, q = heads x head_dim, kv = key/value heads x head_dim, n = heads,
+c = bytes of the compute dtype, r = bytes of the residual stream:
+- each RMSNorm: its input upcast to fp32 (4h), x*rsqrt in the residual dtype (r h), rsqrt (4);
+- the norm's output as read by the next linears (c h, once; under autocast each linear saves its
+  own bf16 cast: 3 for q, k, v and 2 for gate, up); the weights themselves are parameters;
+- attention through SDPA (flash or memory-efficient kernels save no T x T scores): q and k after
+  the rotary embedding, v (c(q + 2 kv)), the output (c q), the log-sum-exp (4n); with padding SDPA
+  also saves an additive mask, c T per token, and grouped key/value heads reach it repeated to
+  q (`repeat_kv`; without a mask SDPA takes them as they are); cos and sin are saved once (2 T d r);
+- the gated MLP: gate, silu(gate), up and their product (4 c I).
+So a Llama layer saves (8 + 2r)h + (2 or, under autocast, 5)c h + c(2q + 2kv) + 4cI + 4n + 8 bytes
+per token: in fp32 40h + 16I + 4n + 8, in bf16 24h + 8I + 4n + 8, autocast 34h + 8I + 4n + 8 (q = kv = h).
+Outside the layers: the input ids (8), the final norm and the output layer's input (8 + r + c)h + 4,
+the fp32 log-probabilities of the loss (4V per target), the targets (8). Autocast also keeps a
+bf16 copy of every linear weight until backward (2 bytes per weight).
+
+**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps only each layer's input (r h per token per layer) and
+recomputes one layer at a time in backward, so one layer's activations come back for a moment.
+
+**The peak** sums what lives throughout (model states, buckets) and the larger of two moments:
+the end of forward (activations, gathered units, weight copies, and the logits with a same-sized
+copy or their two fp32 gradients, 8 bytes x B T V) and the optimizer step (AdamW's multi-tensor
+step makes a 4-byte temporary per parameter it updates). Gradients are counted as if present
+during forward, as they are from the second micro-batch of gradient accumulation on. Not counted:
+the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory 80GB` (8e10 bytes)
+for an A100 that reports 85.1e9 leaves them about 5 GB.
+
+Exact (tested) for Llama-architecture models (`model_type` llama); for others the layer term is
+Korthikanti et al.'s GPT layer, 34 s b h + 5 a s^2 b bytes in 16 bits, an approximation.
+"""
+
+import argparse
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+GB = 1e9
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+BUCKET_BYTES = 25 * 2**20  # one in-flight bucket of a hand-written ZeRO (assumed until zero.py lands)
+BUNDLED = {"codellama/CodeLlama-7b-hf": Path(__file__).parent / "configs" / "codellama-7b"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs to know about a model, counted on the meta device."""
+
+    name: str
+    architecture: str
+    model_type: str
+    num_params: int
+    param_rows: tuple  # (dim 0, numel) of every parameter: FSDP2's shards are rows
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    layer_params: int  # one decoder layer: an FSDP unit under the layer wrap policy
+    root_params: int  # the rest: embeddings, final norm, output layer
+    layer_linear_params: int  # weights autocast copies to bf16, per layer
+    head_linear_params: int
+    largest_module_params: int  # DeepSpeed's "largest layer": the biggest module's own parameters
+    base_params: int  # without the output layer, as `AutoModel` builds it (what accelerate sizes)
+    config_dtype_bytes: int  # the dtype the config names (`torch_dtype`), in which transformers builds it
+
+
+def load_config(name_or_path: str):
+    """A config from a local folder, the bundled copy of a known hub model, or the hub."""
+    from transformers import AutoConfig
+
+    path = Path(name_or_path).expanduser()
+    source = path if (path / "config.json").exists() else BUNDLED.get(name_or_path, name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(f"could not read the config of {name_or_path!r} ({first}): pass a folder with a "
+                                f"config.json, a bundled model ({', '.join(BUNDLED)}), or run where the hub is reachable")
+
+
+def model_shape(name_or_path: str) -> Shape:
+    """Build the model on the meta device and count what the estimate needs."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = list(model.parameters())  # each tensor once: a tied embedding is one parameter
+    unit_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in unit_classes]
+    layer_params = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+    linear = lambda m: sum(p.numel() for x in m.modules() if isinstance(x, torch.nn.Linear) for p in x.parameters())
+    head = model.get_output_embeddings()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return Shape(
+        name=name_or_path, architecture=type(model).__name__, model_type=config.model_type,
+        num_params=sum(p.numel() for p in params), param_rows=tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in params),
+        num_layers=config.num_hidden_layers, hidden_size=hidden,
+        intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab_size=config.vocab_size,
+        layer_params=layer_params, root_params=sum(p.numel() for p in params) - len(layers) * layer_params,
+        layer_linear_params=linear(layers[0]) if layers else 0, head_linear_params=linear(head) if head else 0,
+        largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        base_params=sum(p.numel() for p in model.base_model.parameters()), config_dtype_bytes=params[0].element_size(),
+    )
+
+
+@dataclass
+class Setup:
+    """One training configuration, named as `minidist.finetune`'s flags."""
+
+    strategy: str = "fsdp"
+    world_size: int = 1
+    batch_size_per_device: int = 1
+    max_seq_length: int = 512
+    mixed_precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    layer_wrap_policy: bool = True
+    impl: str = "torch"  # torch has DDP and FSDP; zero1 and zero2 exist only by hand (minidist)
+    padded: bool = True  # right-padded batches: SDPA gets (and saves) a mask
+
+    def __post_init__(self):
+        if self.strategy in ("zero1", "zero2"):
+            self.impl = "minidist"  # PyTorch has no ZeRO-1/2 of its own: the hand-written one
+
+
+def compute_mode(setup: Setup) -> str:
+    """fp32; autocast (bf16 matmuls over fp32 weights: DDP); bf16 (the weights themselves are bf16)."""
+    if setup.mixed_precision == "fp32":
+        return "fp32"
+    return "autocast" if setup.strategy == "ddp" else "bf16"
+
+
+def shard_numel(s: Shape, setup: Setup) -> int:
+    """Elements of one rank's shard: FSDP2 takes ceil(rows/N) rows of every tensor, a flat shard 1/N."""
+    n = setup.world_size
+    if setup.strategy == "fsdp" and setup.impl == "torch":
+        return sum(math.ceil(rows / n) * (numel // rows) for rows, numel in s.param_rows)
+    return math.ceil(s.num_params / n)
+
+
+def model_states(s: Shape, setup: Setup) -> dict:
+    """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
+    k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
+    zero_paper = setup.mixed_precision == "bf16" and setup.impl == "minidist" and k != "ddp"
+    w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8)
+    return {
+        "parameters": w * (shard if k == "fsdp" else full),
+        "gradients": g * (shard if k in ("zero2", "fsdp") else full),
+        # AdamW also keeps one fp32 step counter per parameter tensor.
+        "optimizer_states": o * (full if k == "ddp" else shard) + 4 * len(s.param_rows),
+    }
+
+
+def layer_bytes_per_token(s: Shape, mode: str, seq: int, padded: bool) -> float:
+    """Bytes one decoder layer saves for backward per token (see the module docstring)."""
+    h, i, n = s.hidden_size, s.intermediate_size, s.num_heads
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    c = 4 if mode == "fp32" else 2
+    r = 2 if mode == "bf16" else 4
+    mask = c * seq if padded else 0
+    if s.model_type != "llama":  # Korthikanti et al. eq. 1, 16-bit activations, scaled to c bytes
+        return c / 2 * (34 * h + 5 * n * seq) + mask
+    norms = 2 * (4 * h + r * h + 4)
+    linear_inputs = (5 if mode == "autocast" else 2) * c * h
+    if padded:  # with a mask, transformers repeats grouped key/value heads for SDPA (repeat_kv): q-sized
+        kv = q
+    attention = c * (q + 2 * kv) + c * q + 4 * n
+    mlp = 4 * c * i
+    return norms + linear_inputs + attention + mlp + mask
+
+
+def activations(s: Shape, setup: Setup) -> dict:
+    """Activation memory of one micro-batch: what forward saves, and what lives for a moment."""
+    mode, b, t = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
+    c, r = (4 if mode == "fp32" else 2), (2 if mode == "bf16" else 4)
+    tokens, targets = b * t, b * (t - 1)
+    per_layer = layer_bytes_per_token(s, mode, t, setup.padded) * tokens
+    shared = 2 * t * s.head_dim * r + (b * t * t if setup.padded else 0)  # cos and sin; the boolean mask
+    head = (12 + (4 + r + c) * s.hidden_size) * tokens  # input ids; final norm; output layer's input
+    loss = (4 * s.vocab_size + 8) * targets + 4  # fp32 log-probabilities, targets, the count
+    layers = s.num_layers * (r * s.hidden_size * tokens if setup.gradient_checkpointing else per_layer)
+    copies = 0
+    if mode == "autocast":  # bf16 weight copies live until backward; checkpointed layers recast theirs
+        copies = 2 * (s.head_linear_params + (0 if setup.gradient_checkpointing else s.num_layers * s.layer_linear_params))
+    recompute = 0
+    if setup.gradient_checkpointing:  # one layer's activations again, and under autocast its weight copies
+        recompute = per_layer + (2 * s.layer_linear_params if mode == "autocast" else 0)
+    return {"saved": layers + shared + head + loss, "per_layer": per_layer, "weight_copies": copies,
+            "recompute": recompute, "logits": 8 * tokens * s.vocab_size}
+
+
+def buffers(s: Shape, setup: Setup) -> dict:
+    """Communication buckets, FSDP's gathered units, and the optimizer step's temporary."""
+    k, mode = setup.strategy, compute_mode(setup)
+    c = 4 if mode == "fp32" else 2
+    gathered = 0
+    if k == "fsdp" and setup.layer_wrap_policy and s.layer_params:
+        # root params and grads; a layer and the prefetched next; its gradient and fp32 reduce input
+        gathered = 2 * c * s.root_params + (3 * c + 4) * s.layer_params
+    elif k == "fsdp":
+        gathered = (2 * c + 4) * s.num_params
+    # DDP's buckets hold a copy of every fp32 gradient (`--ddp_variant naive` has none).
+    buckets = 4 * s.num_params if k == "ddp" else (BUCKET_BYTES if k in ("zero1", "zero2") else 0)
+    updated = s.num_params if k == "ddp" else shard_numel(s, setup)  # what this rank's AdamW steps
+    return {"gathered_units": gathered, "buckets": buckets, "optimizer_step": 4 * updated}
+
+
+def estimate(s: Shape, setup: Setup) -> dict:
+    """Every term of one rank's peak, and the peak."""
+    _check(setup)
+    states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
+    forward = bufs["gathered_units"] + acts["saved"] + acts["weight_copies"] + max(acts["recompute"], acts["logits"])
+    peak = sum(states.values()) + bufs["buckets"] + max(forward, bufs["optimizer_step"])
+    return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
+            "weight_copies": acts["weight_copies"], "recompute": acts["recompute"], "logits": acts["logits"],
+            "peak": peak}
+
+
+def largest_batch(s: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) -> int:
+    """The largest batch per device whose estimated peak fits in `gpu_memory` (0: not even 1)."""
+    fits = lambda b: estimate(s, Setup(**{**asdict(setup), "batch_size_per_device": b}))["peak"] <= gpu_memory
+    lo, hi = 0, 1
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def others(s: Shape, setup: Setup) -> dict:
+    """What two popular estimators say for the same case: model states only, no activations.
+
+    `accelerate estimate-memory` (accelerate 1.15, commands/estimate.py): one number per model and
+    dtype, whatever the strategy or number of GPUs. It sizes `AutoModel` (no output layer) as
+    transformers builds it, in the config's dtype (bf16 for CodeLlama under transformers 5), takes
+    that as the fp32 size and reports the largest stage: for bf16 Adam's two states, 2x; for fp32 4x.
+    DeepSpeed (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py,
+    estimate_zero2/3_model_states_mem_needs, no offload): ZeRO-2 2P + 18P/N; ZeRO-3
+    4 x largest layer + 18P/N. DeepSpeed has no estimator for DDP or ZeRO-1.
+    """
+    p, n = s.num_params, setup.world_size
+    deepspeed = {"zero2": 2 * p + 18 * p // n, "fsdp": 4 * s.largest_module_params + 18 * p // n}.get(setup.strategy)
+    size = s.base_params * s.config_dtype_bytes
+    return {"accelerate": (2 if setup.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed}
+
+
+def _check(setup: Setup) -> None:
+    if setup.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {setup.strategy!r}: choose from {STRATEGIES}")
+    for name in ("world_size", "batch_size_per_device"):
+        if getattr(setup, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(setup, name)}")
+    if setup.max_seq_length < 2:
+        raise ValueError(f"--max_seq_length must be at least 2, got {setup.max_seq_length}")
+    if setup.mixed_precision not in ("bf16", "fp32"):
+        raise ValueError(f"--mixed_precision must be bf16 or fp32, got {setup.mixed_precision!r}")
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 8e10, '79.2GiB' -> 79.2 * 2**30, '8e10' -> 8e10."""
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in units:
+        raise ValueError(f"--gpu_memory must look like 80GB, 79.2GiB or 8e10, got {text!r}")
+    return float(match.group(1)) * units[match.group(2)]
+
+
+LABELS = {
+    "parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
+    "buckets": "gradient buckets (DDP)", "gathered_units": "gathered FSDP units",
+    "activations": "activations saved for backward", "activations_per_layer": "  one decoder layer, in full",
+    "weight_copies": "bf16 weight copies (autocast)", "recompute": "recomputed layer (checkpointing)",
+    "logits": "logits and their gradients", "optimizer_step": "optimizer step temporary", "peak": "peak per rank",
+}
+
+
+def report(s: Shape, setup: Setup, gpu_memory: float | None = None) -> dict:
+    """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say."""
+    result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
+              "exact": s.model_type == "llama", "setup": asdict(setup), "bytes": estimate(s, setup)}
+    if gpu_memory is not None:
+        result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
+                      largest_batch_per_device=largest_batch(s, setup, gpu_memory))
+    result["others"] = others(s, setup)
+    return result
+
+
+def _size(n: float, unit: str = "B") -> str:
+    """6.74e9 -> '6.74 GB', 4.15e6 -> '4.15 MB': decimal units, as GPU makers count."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+def format_report(r: dict) -> str:
+    u = r["setup"]
+    lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters"
+             + ("" if r["exact"] else " (activations approximate: not a Llama layer)"),
+             f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), {u['mixed_precision']}, batch "
+             f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
+             + (", activation checkpointing" if u["gradient_checkpointing"] else "")
+             + ("" if u["layer_wrap_policy"] or u["strategy"] != "fsdp" else ", no layer wrap policy"), ""]
+    lines += [f"{label:<34} {_size(r['bytes'][k]):>10}" for k, label in LABELS.items() if r["bytes"][k] or k == "peak"]
+    lines.append("(peak = model states + buckets + the larger of: the rest at the end of forward, the optimizer step)")
+    if "fits" in r:
+        largest = r["largest_batch_per_device"]
+        lines.append(f"fits in {_size(r['gpu_memory'])}: {'yes' if r['fits'] else 'no'}; largest batch per "
+                     f"device that fits: {largest or 'none, not even 1'}")
+    o = r["others"]
+    lines.append(f"model states only, as others count them: accelerate {_size(o['accelerate'])}"
+                 + (f", DeepSpeed {_size(o['deepspeed'])}" if o["deepspeed"] else ""))
+    return "\n".join(lines)
+
+
+def readme_table(s: Shape, base: Setup, gpu_memory: float, world_sizes=(1, 4, 8)) -> str:
+    """Markdown: every strategy on 1, 4 and 8 GPUs; batch 1, then the largest batch without and with checkpointing."""
+    rows = ["| GPUs | strategy | model states | peak at batch 1 | fits at batch 1 | largest batch | largest batch, "
+            "checkpointing | accelerate | DeepSpeed |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    for n in world_sizes:
+        for strategy in STRATEGIES:
+            plain, ckpt = (report(s, Setup(**{**asdict(base), "strategy": strategy, "world_size": n, "impl": "torch",
+                                               "batch_size_per_device": 1, "gradient_checkpointing": c}), gpu_memory)
+                           for c in (False, True))
+            b, o = plain["bytes"], plain["others"]
+            states = b["parameters"] + b["gradients"] + b["optimizer_states"]
+            rows.append(f"| {n} | {plain['setup']['impl']}/{strategy} | {states / GB:.1f} GB | {b['peak'] / GB:.1f} GB | "
+                        f"{'yes' if plain['fits'] else 'no'} | {plain['largest_batch_per_device'] or '-'} | "
+                        f"{ckpt['largest_batch_per_device'] or '-'} | {o['accelerate'] / GB:.1f} GB | "
+                        + (f"{o['deepspeed'] / GB:.1f} GB |" if o["deepspeed"] else "- |"))
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m minidist.memory", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="hub name or local folder with a config.json (the tiny Llama: ~/.cache/minidist/tiny-llama)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="fsdp")
+    p.add_argument("--impl", choices=("torch", "minidist"), default="torch", help="zero1/zero2 are always minidist")
+    p.add_argument("--world_size", type=int, default=1)
+    p.add_argument("--batch_size_per_device", type=int, default=1)
+    p.add_argument("--max_seq_length", type=int, default=512)
+    p.add_argument("--mixed_precision", choices=("bf16", "fp32"), default="bf16", help="bf16 as on the GPUs (finetune's default is fp32)")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
+    p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
+    args = p.parse_args(argv)
+    setup = Setup(args.strategy, args.world_size, args.batch_size_per_device, args.max_seq_length,
+                  args.mixed_precision, args.gradient_checkpointing, not args.no_layer_wrap_policy, args.impl)
+    try:
+        gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        _check(setup)
+        if args.readme_table and gpu_memory is None:
+            raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
+        shape = model_shape(args.model)
+    except (ValueError, FileNotFoundError) as err:
+        p.exit(2, f"minidist.memory: error: {err}\n")
+    if args.readme_table:
+        print(readme_table(shape, setup, gpu_memory))
+        return
+    r = report(shape, setup, gpu_memory)
+    print(json.dumps(r, indent=1) if args.json else format_report(r))
+
+
+if __name__ == "__main__":
+    main()

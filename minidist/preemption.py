@@ -1,0 +1,83 @@
+"""Preemption: when the cluster says stop, every rank stops at the same step, with a checkpoint.
+
+Clusters end jobs: a time limit, a job of higher priority, maintenance. They warn first, with a
+signal: SLURM sends the one `#SBATCH --signal=B:USR1@90` names, 90 s before the time limit, to the
+batch script (which passes it on, see `slurm/chess_finetune.sh`); most schedulers send SIGTERM
+some seconds before SIGKILL. torchrun forwards SIGTERM to its workers, and from torch 2.9 the
+other signals listed in `--signals_to_handle` (or PET_SIGNALS_TO_HANDLE), SIGUSR1 among them.
+
+A signal interrupts one process at an arbitrary point, maybe while it waits in a collective for
+the other ranks, and each rank gets it at a slightly different moment. So the handler only sets a
+flag. At every step boundary the ranks vote, an all-reduce of their flags with MAX: if any rank
+was signalled, all of them learn it after the same step, save one checkpoint together (`state.py`)
+and exit with status 75, EXIT_STOPPED ("EX_TEMPFAIL" in sysexits.h: try again later). Running
+the same command with `--resume` continues.
+
+The price: a rank stuck in a collective no longer dies of SIGTERM. The collective timeout
+(`distributed.py`) ends it, or the SIGKILL that torchrun and SLURM send after their grace period.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+EXIT_STOPPED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: run again with --resume
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+_received = None  # the stop signal this process got, if any: all a handler can safely do is set it
+
+
+def _on_signal(signum, frame):
+    global _received
+    _received = signum
+
+
+class StopSignals:
+    """While installed, SIGTERM and SIGUSR1 ask for a checkpoint and a stop at the next step boundary."""
+
+    def __init__(self):
+        global _received
+        _received = None
+        self._previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+
+    @staticmethod
+    def received() -> str | None:
+        """The name of the signal this rank got, if it got one."""
+        return signal.Signals(_received).name if _received else None
+
+    def agreed(self, device) -> bool:
+        """Did any rank get a stop signal? A collective: every rank calls it at every step boundary."""
+        vote = torch.tensor([1 if _received else 0], device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        return bool(vote.item())
+
+    def restore(self) -> None:
+        """Put back the handlers there were before."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def say_stopped(signal_name: str, step: int, checkpoint) -> None:
+    print(f"stopped by {signal_name} after step {step}: saved {checkpoint}; exiting with status "
+          f"{EXIT_STOPPED} (run again with --resume to continue)", file=sys.stderr, flush=True)
+
+
+def pause_if_asked(where: str, step: int) -> None:
+    """Fault injection for tests: MINIDIST_PAUSE_AT=save:8 holds every rank in the middle of step
+    8's save (its own files written, nothing published), step:3 after step 3, until a signal
+    comes (at most 2 minutes): SIGKILL is then a crash at exactly that point; SIGTERM or SIGUSR1
+    let it go on."""
+    if os.environ.get("MINIDIST_PAUSE_AT") != f"{where}:{step}":
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"minidist: rank {rank} (pid {os.getpid()}) paused at {where} {step} (MINIDIST_PAUSE_AT); "
+          f"waiting for a signal", flush=True)
+    parent, deadline = os.getppid(), time.monotonic() + 120
+    while _received is None and time.monotonic() < deadline:
+        if os.getppid() != parent:  # the launcher was killed: no signal will come through it
+            os._exit(1)
+        time.sleep(0.05)
