@@ -18,7 +18,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from memory_workers import train_each
-from minidist import data, memory, memory_measure
+from minidist import data, memory, memory_measure, memory_report
 from minidist.finetune import token_loss_sum
 from minidist.launch import launch
 from minidist.models import load_model, write_tiny_llama
@@ -152,7 +152,7 @@ def test_other_architectures_are_approximate(tmp_path):
     estimate = memory.activations(shape, memory.Setup(mixed_precision="fp32", batch_size_per_device=2,
                                                       max_seq_length=64, padded=False))["saved"]
     assert abs(measured - estimate) <= 0.4 * measured
-    assert not memory.report(shape, memory.Setup())["exact"]
+    assert not memory_report.report(shape, memory.Setup())["exact"]
 
 
 def test_codellama_numbers_to_know():
@@ -163,15 +163,15 @@ def test_codellama_numbers_to_know():
     states = lambda setup: sum(memory.model_states(shape, setup).values())
     assert round(states(memory.Setup(strategy="ddp")) / 1e9) == 108
     assert round(states(memory.Setup(strategy="fsdp", world_size=4)) / 1e9) == 27
-    ddp = memory.report(shape, memory.Setup(strategy="ddp", world_size=4), gpu_memory=80e9)
+    ddp = memory_report.report(shape, memory.Setup(strategy="ddp", world_size=4), gpu_memory=80e9)
     assert not ddp["fits"] and ddp["largest_batch_per_device"] == 0
-    fsdp = memory.report(shape, memory.Setup(strategy="fsdp", world_size=4), gpu_memory=80e9)
+    fsdp = memory_report.report(shape, memory.Setup(strategy="fsdp", world_size=4), gpu_memory=80e9)
     assert fsdp["fits"] and fsdp["largest_batch_per_device"] >= 1
     # The largest batch is the largest that fits: one more does not.
     more = memory.Setup(strategy="fsdp", world_size=4, batch_size_per_device=fsdp["largest_batch_per_device"] + 1)
     assert memory.estimate(shape, more)["peak"] > 80e9
     # Checkpointing keeps one hidden state per layer instead of a layer's worth: far more fits.
-    ckpt = memory.report(shape, memory.Setup(strategy="fsdp", world_size=4, gradient_checkpointing=True), gpu_memory=80e9)
+    ckpt = memory_report.report(shape, memory.Setup(strategy="fsdp", world_size=4, gradient_checkpointing=True), gpu_memory=80e9)
     assert ckpt["largest_batch_per_device"] > 3 * fsdp["largest_batch_per_device"]
 
 
@@ -206,13 +206,13 @@ def test_an_unknown_model_without_network_ends_with_one_line():
 ])
 def test_bad_input_ends_with_one_line(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit:
-        memory.main(argv)
+        memory_report.main(argv)
     assert exit.value.code == 2
     assert expected in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_the_table_prints_every_term(capsys):
-    memory.main(["codellama/CodeLlama-7b-hf", "--strategy", "ddp", "--gpu_memory", "80GB"])
+    memory_report.main(["codellama/CodeLlama-7b-hf", "--strategy", "ddp", "--gpu_memory", "80GB"])
     out = capsys.readouterr().out
     for label in ("parameters", "gradients", "optimizer states", "gradient buckets", "activations saved",
                   "bf16 weight copies", "logits", "peak per rank", "fits in 80.00 GB: no"):

@@ -1,0 +1,138 @@
+"""The memory estimate as people read it: a table for one case, a README table, other estimators.
+
+`minidist.memory` computes the terms; this module turns them into what the command prints
+(`python -m minidist.memory ...`), with `--gpu_memory` (does it fit, the largest batch that
+does) and `--readme_table`, and sets them beside what `accelerate` and DeepSpeed would say.
+"""
+
+import argparse
+import json
+import re
+from dataclasses import asdict
+
+from minidist import memory
+from minidist.memory import GB, STRATEGIES, Setup, Shape, check_setup, estimate, largest_batch, model_shape
+
+
+def others(s: Shape, setup: Setup) -> dict:
+    """What two popular estimators say for the same case: model states only, no activations.
+
+    `accelerate estimate-memory` (accelerate 1.15, commands/estimate.py): one number per model and
+    dtype, whatever the strategy or number of GPUs. It sizes `AutoModel` (no output layer) as
+    transformers builds it, in the config's dtype (bf16 for CodeLlama under transformers 5), takes
+    that as the fp32 size and reports the largest stage: for bf16 Adam's two states, 2x; for fp32 4x.
+    DeepSpeed (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py,
+    estimate_zero2/3_model_states_mem_needs, no offload): ZeRO-2 2P + 18P/N; ZeRO-3
+    4 x largest layer + 18P/N. DeepSpeed has no estimator for DDP or ZeRO-1.
+    """
+    p, n = s.num_params, setup.world_size
+    deepspeed = {"zero2": 2 * p + 18 * p // n, "fsdp": 4 * s.largest_module_params + 18 * p // n}.get(setup.strategy)
+    size = s.base_params * s.config_dtype_bytes
+    return {"accelerate": (2 if setup.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 8e10, '79.2GiB' -> 79.2 * 2**30, '8e10' -> 8e10."""
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in units:
+        raise ValueError(f"--gpu_memory must look like 80GB, 79.2GiB or 8e10, got {text!r}")
+    return float(match.group(1)) * units[match.group(2)]
+
+
+LABELS = {
+    "parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
+    "buckets": "gradient buckets (DDP)", "gathered_units": "gathered FSDP units",
+    "activations": "activations saved for backward", "activations_per_layer": "  one decoder layer, in full",
+    "weight_copies": "bf16 weight copies (autocast)", "recompute": "recomputed layer (checkpointing)",
+    "logits": "logits and their gradients", "optimizer_step": "optimizer step temporary", "peak": "peak per rank",
+}
+
+
+def report(s: Shape, setup: Setup, gpu_memory: float | None = None) -> dict:
+    """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say."""
+    result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
+              "exact": s.model_type == "llama", "setup": asdict(setup), "bytes": estimate(s, setup)}
+    if gpu_memory is not None:
+        result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
+                      largest_batch_per_device=largest_batch(s, setup, gpu_memory))
+    result["others"] = others(s, setup)
+    return result
+
+
+def _size(n: float, unit: str = "B") -> str:
+    """6.74e9 -> '6.74 GB', 4.15e6 -> '4.15 MB': decimal units, as GPU makers count."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+def format_report(r: dict) -> str:
+    u = r["setup"]
+    lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters"
+             + ("" if r["exact"] else " (activations approximate: not a Llama layer)"),
+             f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), {u['mixed_precision']}, batch "
+             f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
+             + (", activation checkpointing" if u["gradient_checkpointing"] else "")
+             + ("" if u["layer_wrap_policy"] or u["strategy"] != "fsdp" else ", no layer wrap policy"), ""]
+    lines += [f"{label:<34} {_size(r['bytes'][k]):>10}" for k, label in LABELS.items() if r["bytes"][k] or k == "peak"]
+    lines.append("(peak = model states + buckets + the larger of: the rest at the end of forward, the optimizer step)")
+    if "fits" in r:
+        largest = r["largest_batch_per_device"]
+        lines.append(f"fits in {_size(r['gpu_memory'])}: {'yes' if r['fits'] else 'no'}; largest batch per "
+                     f"device that fits: {largest or 'none, not even 1'}")
+    o = r["others"]
+    lines.append(f"model states only, as others count them: accelerate {_size(o['accelerate'])}"
+                 + (f", DeepSpeed {_size(o['deepspeed'])}" if o["deepspeed"] else ""))
+    return "\n".join(lines)
+
+
+def readme_table(s: Shape, base: Setup, gpu_memory: float, world_sizes=(1, 4, 8)) -> str:
+    """Markdown: every strategy on 1, 4 and 8 GPUs; batch 1, then the largest batch without and with checkpointing."""
+    rows = ["| GPUs | strategy | model states | peak at batch 1 | fits at batch 1 | largest batch | largest batch, "
+            "checkpointing | accelerate | DeepSpeed |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    for n in world_sizes:
+        for strategy in STRATEGIES:
+            plain, ckpt = (report(s, Setup(**{**asdict(base), "strategy": strategy, "world_size": n, "impl": "torch",
+                                               "batch_size_per_device": 1, "gradient_checkpointing": c}), gpu_memory)
+                           for c in (False, True))
+            b, o = plain["bytes"], plain["others"]
+            states = b["parameters"] + b["gradients"] + b["optimizer_states"]
+            rows.append(f"| {n} | {plain['setup']['impl']}/{strategy} | {states / GB:.1f} GB | {b['peak'] / GB:.1f} GB | "
+                        f"{'yes' if plain['fits'] else 'no'} | {plain['largest_batch_per_device'] or '-'} | "
+                        f"{ckpt['largest_batch_per_device'] or '-'} | {o['accelerate'] / GB:.1f} GB | "
+                        + (f"{o['deepspeed'] / GB:.1f} GB |" if o["deepspeed"] else "- |"))
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m minidist.memory", description=memory.__doc__.split("\n")[0])
+    p.add_argument("model", help="hub name or local folder with a config.json (the tiny Llama: ~/.cache/minidist/tiny-llama)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="fsdp")
+    p.add_argument("--impl", choices=("torch", "minidist"), default="torch", help="zero1/zero2 are always minidist")
+    p.add_argument("--world_size", type=int, default=1)
+    p.add_argument("--batch_size_per_device", type=int, default=1)
+    p.add_argument("--max_seq_length", type=int, default=512)
+    p.add_argument("--mixed_precision", choices=("bf16", "fp32"), default="bf16", help="bf16 as on the GPUs (finetune's default is fp32)")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
+    p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
+    args = p.parse_args(argv)
+    setup = Setup(args.strategy, args.world_size, args.batch_size_per_device, args.max_seq_length,
+                  args.mixed_precision, args.gradient_checkpointing, not args.no_layer_wrap_policy, args.impl)
+    try:
+        gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        check_setup(setup)
+        if args.readme_table and gpu_memory is None:
+            raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
+        shape = model_shape(args.model)
+    except (ValueError, FileNotFoundError) as err:
+        p.exit(2, f"minidist.memory: error: {err}\n")
+    if args.readme_table:
+        print(readme_table(shape, setup, gpu_memory))
+        return
+    r = report(shape, setup, gpu_memory)
+    print(json.dumps(r, indent=1) if args.json else format_report(r))
