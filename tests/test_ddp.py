@@ -8,11 +8,11 @@ global batch, and send 2·P·(N-1)/N gradient elements per optimizer step, once.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from minidist import data, models
+from minidist import models
 from minidist.launch import launch
 from ddp_workers import ddp_parity, overlap_order, unused_parameter_is_named
+from reference import train_reference
 
 GLOBAL_BATCH, STEPS, SEQ, LR = 16, 5, 48, 3e-3
 FROZEN = "model.layers.0.self_attn.q_proj.weight"
@@ -25,31 +25,14 @@ def tied_model(tmp_path_factory):
     return str(models.write_tiny_llama(out, hidden_size=64, num_layers=2, tie_word_embeddings=True))
 
 
-def train_reference(model_dir, dtype):
-    """One process, the whole global batch at once, the mean token loss, AdamW, clipping."""
-    tokenizer, model = models.load_tokenizer(model_dir), models.load_model(model_dir, dtype=dtype)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie is real
-    model.get_parameter(FROZEN).requires_grad_(False)
-    sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, SEQ)
-    sampler = data.GlobalBatchSampler(len(sequences), GLOBAL_BATCH, seed=0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        batch = data.collate([sequences[i] for i in sampler.global_batch(step)], tokenizer.pad_token_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, sum(p.numel() for p in params)
-
-
 @pytest.fixture(scope="module")
 def references(tied_model):
-    return {str(dtype): train_reference(tied_model, dtype) for dtype in (torch.float32, torch.float64)}
+    """The single-process run on the whole global batch, in fp32 and in fp64."""
+    model = models.load_model(tied_model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie is real
+    return {str(dtype): train_reference(tied_model, steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=SEQ, lr=LR,
+                                        dtype=dtype, frozen=[FROZEN])
+            for dtype in (torch.float32, torch.float64)}
 
 
 # (loss rtol, parameter rtol, parameter atol) per dtype. In fp32 the split of the batch changes

@@ -1,8 +1,9 @@
-"""The training loop against a single-process reference written here, independently of it.
+"""The training loop against a single-process reference written independently of it.
 
-The reference is the textbook loop: one process, the whole global batch as one batch, the mean
-token loss, AdamW. Every split of the same global batch over ranks and micro-batches, with
-PyTorch's DDP or FSDP2, must give the same losses and the same final weights.
+The reference (tests/reference.py) is the textbook loop: one process, the whole global batch as
+one batch, the mean token loss, AdamW. Every split of the same global batch over ranks and
+micro-batches, with PyTorch's DDP or FSDP2 or the hand-written DDP, must give the same losses
+and the same final weights.
 """
 
 import json
@@ -13,12 +14,11 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from minidist import data, finetune
 from minidist.launch import launch
-from minidist.models import load_model, load_tokenizer
+from reference import train_reference
 from train_workers import run_finetune
 
 STEPS, SEQ, LR, SEED = 4, 48, 3e-3, 3
@@ -32,24 +32,10 @@ def common_args(model, tmp_path, name):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Losses and final weights of a plain single-process run on a global batch of 4."""
-    tokenizer, model = load_tokenizer(tiny_model), load_model(tiny_model)
-    sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, SEQ)
-    sampler = data.GlobalBatchSampler(len(sequences), 4, SEED)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: finetune.lr_schedule(s, args))
-    losses = []
-    for step in range(STEPS):
-        batch = data.collate([sequences[i] for i in sampler.global_batch(step)], tokenizer.pad_token_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses, parameters, _ = train_reference(tiny_model, steps=STEPS, global_batch=4, seq_len=SEQ, lr=LR, seed=SEED,
+                                            lr_lambda=lambda s: finetune.lr_schedule(s, args))
+    return losses, parameters
 
 
 SPLITS = [  # (implementation, strategy, world size, batch per device, accumulation, extra flags)

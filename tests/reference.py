@@ -1,0 +1,36 @@
+"""The single-process reference every strategy is held to, written without minidist's loop.
+
+The textbook training loop: one process, the whole global batch as one batch, the mean token
+loss, AdamW (betas 0.9, 0.95), gradient clipping at 1.0. Only the data order comes from
+minidist (`GlobalBatchSampler`), so that both sides see the same games in the same steps.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from minidist import data, models
+
+
+def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=torch.float32, frozen=(),
+                    lr_lambda=None):
+    """Return (losses per step, final state_dict, number of trainable parameters)."""
+    tokenizer, model = models.load_tokenizer(model_dir), models.load_model(model_dir, dtype=dtype)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, seq_len)
+    sampler = data.GlobalBatchSampler(len(sequences), global_batch, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
+    losses = []
+    for step in range(steps):
+        batch = data.collate([sequences[i] for i in sampler.global_batch(step)], tokenizer.pad_token_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, sum(p.numel() for p in params)
