@@ -98,6 +98,12 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None):
     return dist.broadcast(tensor, src=src, group=group)
 
 
+def scatter(output: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0, group=None):
+    """Rank ``src`` sends ``chunks[r]`` to rank r, which receives it in ``output``. Used once, when
+    FSDP shards a model that only rank ``src`` has loaded; not part of a step's count."""
+    return dist.scatter(output, chunks if dist.get_rank() == src else None, src=src, group=group)
+
+
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) ``tensor`` in place with nothing but send and recv between neighbours.
 

@@ -46,10 +46,11 @@ from minidist import comm
 class NaiveDDP(nn.Module):
     """DDP at its simplest: broadcast once; after backward, all-reduce each gradient in turn."""
 
-    def __init__(self, module: nn.Module, process_group=None):
+    def __init__(self, module: nn.Module, process_group=None, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = module
         self.process_group = process_group
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own dtype (see precision.py)
         self.world_size = torch.distributed.get_world_size(process_group)
         self.require_sync = True
         # Trainable parameters in reverse order of registration: roughly the order in which
@@ -94,8 +95,9 @@ class NaiveDDP(nn.Module):
 
     def _all_reduce_gradients(self) -> None:
         for param in self.params:
-            comm.all_reduce(param.grad, group=self.process_group)
-            param.grad.div_(self.world_size)  # the sum over ranks -> the average
+            grad = param.grad.to(self.reduce_dtype or param.grad.dtype)  # a copy only for another dtype
+            comm.all_reduce(grad, group=self.process_group)
+            param.grad.copy_(grad.div_(self.world_size))  # the sum over ranks -> the average
 
 
 class Bucket:
@@ -111,6 +113,7 @@ class Bucket:
         self.buffer = torch.zeros(offset, dtype=params[0].dtype, device=params[0].device)
         self.pending = len(params)  # gradients still to arrive in this backward
         self.handle = None  # the asynchronous all-reduce, once launched
+        self.sent = None  # what it reduces: the buffer, or its copy in the reduction's dtype
 
     def views(self):
         """(param, the slice of the buffer that holds its gradient), for each parameter."""
@@ -121,8 +124,9 @@ class Bucket:
 class BucketedDDP(NaiveDDP):
     """DDP with gradient buckets whose all-reduces overlap the rest of the backward pass."""
 
-    def __init__(self, module: nn.Module, process_group=None, bucket_cap_mb: float = 25.0):
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, bucket_cap_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None):
+        super().__init__(module, process_group, reduce_dtype)
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.buckets = self._make_buckets(self.params)
         self.order_seen: list[int] = []  # the order gradients really became ready, first backward
@@ -156,7 +160,8 @@ class BucketedDDP(NaiveDDP):
         bucket.pending -= 1
         if bucket.pending == 0:  # full: send it now, while backward computes earlier layers
             bucket.buffer.div_(self.world_size)  # average before summing, as PyTorch does
-            bucket.handle = comm.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            bucket.sent = bucket.buffer.to(self.reduce_dtype or bucket.buffer.dtype)  # the buffer itself, or a cast
+            bucket.handle = comm.all_reduce(bucket.sent, group=self.process_group, async_op=True)
             self.timeline.append(("launch", b, time.perf_counter()))
         self._ready.add(index)
         if len(self._ready) == len(self.params):
@@ -167,12 +172,14 @@ class BucketedDDP(NaiveDDP):
         """Wait for every bucket, copy the averaged gradients back into ``param.grad``."""
         for b, bucket in enumerate(self.buckets):
             bucket.handle.wait()
+            if bucket.sent is not bucket.buffer:
+                bucket.buffer.copy_(bucket.sent)  # back from the reduction's dtype
             self.timeline.append(("done", b, time.perf_counter()))
             for param, reduced in bucket.views():
                 # The averaged gradient becomes param.grad as a view of the bucket, not a copy
                 # (PyTorch's gradient_as_bucket_view): one pass over the memory less.
                 param.grad = reduced
-            bucket.handle, bucket.pending = None, len(bucket.params)
+            bucket.handle, bucket.sent, bucket.pending = None, None, len(bucket.params)
         # Like PyTorch's DDP, re-pack the buckets once in the order the first backward really
         # produced the gradients, so that every bucket fills as early as it can.
         if len(self.order_seen) == len(self.params) and not self._rebuilt:

@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
     p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
     p.add_argument("--ddp_variant", choices=DDP_VARIANTS, help="minidist DDP: bucketed (the default) or naive")
-    p.add_argument("--bucket_cap_mb", type=float, help="minidist DDP: gradient bucket size in MB (default 25)")
+    p.add_argument("--bucket_cap_mb", type=float, help="minidist DDP and ZeRO: gradient bucket size in MB (default 25)")
+    p.add_argument("--reduce_dtype", choices=("fp32", "bf16"), help="minidist: the dtype gradients are summed in (default fp32)")
     p.add_argument("--batch_size_per_device", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=3e-3)
@@ -131,7 +132,7 @@ def train(args) -> dict:
         hf_logging.disable_progress_bar()
     micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
     try:  # everything a learner can get wrong, checked before the expensive model load
-        options = {k: getattr(args, k) for k in ("ddp_variant", "bucket_cap_mb") if getattr(args, k) is not None}
+        options = {k: getattr(args, k) for k in ("ddp_variant", "bucket_cap_mb", "reduce_dtype") if getattr(args, k) is not None}
         strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy, **options)
         args.model = models.resolve(args.model)
         tokenizer = models.load_tokenizer(args.model)
@@ -148,10 +149,10 @@ def train(args) -> dict:
         raise UsageError(err) from err
     stop_signals = preemption.StopSignals()  # from here SIGTERM/SIGUSR1 mean: save after this step, stop
 
-    model = models.load_model(args.model)
+    model = strategy.load_model(args.model)  # minidist FSDP: rank 0 only; the others get shapes
     config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        strategy.checkpoint_activations(model)
     model = strategy.wrap(model)
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, args))

@@ -124,6 +124,23 @@ def write_tiny_llama(out_dir, *, hidden_size=256, num_layers=4, num_heads=4, see
     return out
 
 
+def write_tiny_gpt2(out_dir, *, hidden_size=64, num_layers=2, num_heads=2, seed=0) -> Path:
+    """A tiny GPT-2 over the same chess tokenizer: another architecture (`GPT2Block`, learned
+    positions, LayerNorm, biases, fused qkv `Conv1D`, output layer tied to the embedding), so
+    that strategies and their wrap policy are shown not to depend on Llama."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = build_chess_tokenizer()
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+                        n_positions=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    GPT2LMHeadModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def resolve(name_or_path: str) -> str:
     """Turn `tiny` into its folder (writing it once), check local folders exist, pass hub names on.
 

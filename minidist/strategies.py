@@ -24,6 +24,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from minidist import precision
+
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 IMPLEMENTATIONS = ("minidist", "torch")
 DDP_VARIANTS = ("bucketed", "naive")
@@ -36,6 +38,16 @@ class Strategy:
         self.env = env
         self.mixed_precision = mixed_precision
         self.layer_wrap_policy = layer_wrap_policy
+
+    def load_model(self, name_or_path: str) -> nn.Module:
+        """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
+        from minidist import models
+
+        return models.load_model(name_or_path)
+
+    def checkpoint_activations(self, model: nn.Module) -> None:
+        """Recompute each decoder layer in backward (`--gradient_checkpointing`): transformers' own."""
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def wrap(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
@@ -121,27 +133,22 @@ class TorchDDP(Strategy):
         return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 
-class MinidistDDP(TorchDDP):
-    """The hand-written DDP of `ddp.py`: bucketed with overlap, or naive (`--ddp_variant naive`).
+class Minidist(Strategy):
+    """What every hand-written strategy shares: its collectives are counted (`comm.py`), its
+    mixed precision is `precision.py`'s policy, and `--gradient_checkpointing` is
+    `activation_checkpointing.py`'s, one decoder layer at a time."""
 
-    Everything but `wrap` is as for PyTorch's DDP: the wrapper keeps the model in `.module` and
-    has a `no_sync()`, so unwrapping, mixed precision and saving are the same."""
-
-    def __init__(self, env, mixed_precision="fp32", layer_wrap_policy=True, ddp_variant="bucketed", bucket_cap_mb=25.0):
+    def __init__(self, env, mixed_precision="fp32", layer_wrap_policy=True, reduce_dtype=None, bucket_cap_mb=25.0):
         super().__init__(env, mixed_precision, layer_wrap_policy)
-        if ddp_variant not in DDP_VARIANTS:
-            raise ValueError(f"unknown --ddp_variant {ddp_variant!r}: choose from {DDP_VARIANTS}")
+        self.mp = precision.policy(mixed_precision, reduce_dtype)
         if bucket_cap_mb <= 0:
             raise ValueError(f"--bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        self.ddp_variant, self.bucket_cap_mb = ddp_variant, bucket_cap_mb
+        self.bucket_cap_mb = bucket_cap_mb
 
-    def wrap(self, model):
-        from minidist import ddp
+    def checkpoint_activations(self, model):
+        from minidist.activation_checkpointing import checkpoint_layers
 
-        model = model.to(self.env.device)
-        if self.ddp_variant == "naive":
-            return ddp.NaiveDDP(model)
-        return ddp.BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb)
+        checkpoint_layers(model, wrap_policy_classes(model))
 
     def comm_bytes(self):
         from minidist import comm
@@ -149,6 +156,92 @@ class MinidistDDP(TorchDDP):
         sent = comm.counter.bytes_sent
         comm.counter.reset()
         return sent
+
+
+class MinidistDDP(Minidist, TorchDDP):
+    """The hand-written DDP of `ddp.py`: bucketed with overlap, or naive (`--ddp_variant naive`).
+
+    Everything but `wrap` is as for PyTorch's DDP: the wrapper keeps the model in `.module` and
+    has a `no_sync()`, so unwrapping, autocast and saving are the same."""
+
+    def __init__(self, env, mixed_precision="fp32", layer_wrap_policy=True, reduce_dtype=None, bucket_cap_mb=25.0,
+                 ddp_variant="bucketed"):
+        super().__init__(env, mixed_precision, layer_wrap_policy, reduce_dtype, bucket_cap_mb)
+        if ddp_variant not in DDP_VARIANTS:
+            raise ValueError(f"unknown --ddp_variant {ddp_variant!r}: choose from {DDP_VARIANTS}")
+        self.ddp_variant = ddp_variant
+
+    def wrap(self, model):
+        from minidist import ddp
+
+        model = model.to(self.env.device)
+        if self.ddp_variant == "naive":
+            return ddp.NaiveDDP(model, reduce_dtype=self.mp.reduce_dtype)
+        return ddp.BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb, reduce_dtype=self.mp.reduce_dtype)
+
+
+class MinidistSharded(Minidist):
+    """ZeRO-1, ZeRO-2 and FSDP by hand (`zero.py`, `fsdp.py`): the wrapper steps, clips and saves
+    its own shards. Its parameters carry the compute dtype, so no autocast is needed."""
+
+    def unwrap(self, model):
+        return model.module
+
+    def build_optimizer(self, model, lr, weight_decay=0.0):
+        return model.build_optimizer(lr, weight_decay)
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def clip_grad_norm_(self, model, max_norm):
+        return model.clip_grad_norm_(max_norm)
+
+    def full_state_dict(self, model):
+        full = model.full_parameters()  # every rank takes part in the gathers
+        return {k: v.detach().cpu().clone() for k, v in full.items()} if self.env.is_main else None
+
+    def get_state_dict(self, model, optimizer, full):
+        from minidist import sharded_state
+
+        return sharded_state.get_state_dict(model, optimizer, full, self.env)
+
+    def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
+        from minidist import sharded_state
+
+        sharded_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env)
+
+
+class MinidistZero(MinidistSharded):
+    """ZeRO stage 1 (`--strategy zero1`) or 2 (`zero2`)."""
+
+    def __init__(self, env, stage, **kwargs):
+        super().__init__(env, **kwargs)
+        self.stage = stage
+
+    def wrap(self, model):
+        from minidist.zero import ZeroDP
+
+        return ZeroDP(model.to(self.env.device), self.stage, self.mp, self.bucket_cap_mb)
+
+
+class MinidistFSDP(MinidistSharded):
+    """FSDP (ZeRO-3) by hand: one unit per decoder layer and the root, or one unit in all."""
+
+    def load_model(self, name_or_path):
+        """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
+        no memory) and receive their shards when `wrap` scatters them."""
+        if self.env.rank == 0:
+            return super().load_model(name_or_path)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name_or_path), dtype=torch.float32)
+
+    def wrap(self, model):
+        from minidist.fsdp import FullyShardedDataParallel
+
+        classes = wrap_policy_classes(model) if self.layer_wrap_policy else ()
+        return FullyShardedDataParallel(model, classes, self.mp, device=self.env.device)
 
 
 def wrap_policy_classes(model: nn.Module) -> set[str]:
@@ -206,15 +299,23 @@ class TorchFSDP(Strategy):
 def get_strategy(name: str, impl: str, env, mixed_precision="fp32", layer_wrap_policy=True, **options) -> Strategy:
     """Pick a strategy by name and implementation; say in one line if it is not built yet.
 
-    `options` go to the strategy's constructor (the hand-written DDP takes `ddp_variant` and
-    `bucket_cap_mb`)."""
+    `options` go to the hand-written strategies: `reduce_dtype` (all of them), `bucket_cap_mb`
+    (DDP, ZeRO) and `ddp_variant` (DDP)."""
     if name not in STRATEGIES or impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown strategy {impl}/{name}: choose --strategy from {STRATEGIES}, --impl from {IMPLEMENTATIONS}")
-    built = {("torch", "ddp"): TorchDDP, ("torch", "fsdp"): TorchFSDP, ("minidist", "ddp"): MinidistDDP}
-    if (impl, name) not in built:
-        ready = ", ".join(f"--impl {i} --strategy {n}" for i, n in built)
-        raise NotImplementedError(f"{impl}/{name} is not built yet; available now: {ready}")
-    if options and built[(impl, name)] is not MinidistDDP:
-        flags = ", ".join(f"--{key}" for key in options)
-        raise ValueError(f"{flags} only applies to --impl minidist --strategy ddp, not {impl}/{name}")
-    return built[(impl, name)](env, mixed_precision=mixed_precision, layer_wrap_policy=layer_wrap_policy, **options)
+    if impl == "torch" and name in ("zero1", "zero2"):
+        raise NotImplementedError(f"PyTorch has no {name} of its own (its ZeroRedundancyOptimizer is ZeRO-1 "
+                                  f"for DDP only): use --impl minidist --strategy {name}")
+    only = {"ddp_variant": ("ddp",), "bucket_cap_mb": ("ddp", "zero1", "zero2"), "reduce_dtype": STRATEGIES}
+    for key in options:
+        if impl != "minidist" or name not in only[key]:
+            where = " or ".join(only[key])
+            raise ValueError(f"--{key} only applies to --impl minidist with --strategy {where}, not {impl}/{name}")
+    kwargs = {"mixed_precision": mixed_precision, "layer_wrap_policy": layer_wrap_policy, **options}
+    if impl == "torch":
+        return {"ddp": TorchDDP, "fsdp": TorchFSDP}[name](env, mixed_precision, layer_wrap_policy)
+    if name == "ddp":
+        return MinidistDDP(env, **kwargs)
+    if name == "fsdp":
+        return MinidistFSDP(env, **kwargs)
+    return MinidistZero(env, stage=int(name[-1]), **kwargs)

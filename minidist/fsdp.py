@@ -1,0 +1,309 @@
+"""FSDP (ZeRO-3) by hand: shard the parameters too, and gather each layer only while it runs.
+
+ZeRO-2 (`zero.py`) shards gradients and optimizer states, but every rank still holds every
+weight. FSDP, "fully sharded data parallel" (ZeRO stage 3; Zhao et al. 2023, "PyTorch FSDP:
+Experiences on Scaling Fully Sharded Data Parallel", VLDB), keeps only 1/N of the weights too:
+16P/N bytes of model states per rank, so 4 A100s hold CodeLlama-7b's 108 GB as 27 GB each.
+
+**Units.** A wrap policy cuts the model into units: every module of a layer class (the decoder
+layers, `LlamaDecoderLayer` or `GPT2Block`), and the *root* unit with everything left over
+(embeddings, final norm, output layer). `unit_classes=()` (the loop's `--no_layer_wrap_policy`)
+makes the whole model one unit. Each unit's parameters become one `FlatParameter` (`zero.py`):
+flattened, padded to a multiple of N, cut into N shards. Rank r keeps shard r as an fp32
+`nn.Parameter`, `flat_param`, registered on the unit's module: it is what the optimizer updates,
+and all that lives between steps. The original parameters are removed from their modules.
+
+**A unit's life in one step:**
+1. *before its forward* (a forward pre-hook) the shards are all-gathered into the full flat
+   buffer, and each module attribute (`q_proj.weight`, ...) is set to a view of it;
+2. *after its forward* the full buffer's storage is freed: the views stay (autograd saved them)
+   but point to no memory;
+3. *before its backward* (a hook on the gradient of the unit's output) the shards are gathered
+   again, into the same storage, so the views autograd saved are valid again;
+4. *after its backward* (autograd has accumulated the gradient of the full flat buffer) the
+   gradient is reduce-scattered: rank r gets the sum of its shard, averaged, in `flat_param.grad`;
+   the full gradient and the gathered weights are freed.
+Bytes per rank per step: all-gather P + all-gather P + reduce-scatter P, each (N-1)/N: 3P(N-1)/N,
+1.5x DDP's 2P(N-1)/N. (PyTorch's FSDP2 keeps the root unit gathered from forward to backward,
+saving one all-gather of it; here every unit follows the same four steps.) With gradient
+accumulation, `no_sync()` micro-batches keep their full gradients (no reduce-scatter), but still
+gather each unit twice: (2k + 1)P(N-1)/N for k micro-batches.
+
+**Prefetch.** While unit i computes, unit i+1's all-gather is already in flight (launched
+asynchronously from unit i's pre-forward hook), and in backward unit i-1's while unit i computes.
+So at most three units are gathered at once: the root, the running unit and the next one
+(`max_unsharded` records it). Layers are assumed to run in the order they are registered, as
+in every decoder-only transformer (PyTorch's FSDP records the order of the first step instead).
+
+**Mixed precision.** The fp32 shard is the master weight. With `param_dtype=bf16` each unit is
+all-gathered in bf16 (half the bytes and memory), forward and backward compute in bf16, and the
+gradient is reduce-scattered in `reduce_dtype` (fp32 by default) into the fp32 gradient shard.
+
+**Loading without N copies.** Only rank 0 needs the weights: the other ranks may build the model
+on the meta device (shapes, no memory; `Strategy.load_model` does this), and each unit is
+flattened on rank 0 and *scattered*, rank r receiving shard r. For CodeLlama-7b on a 4-GPU node:
+rank 0 holds the fp32 model in host memory (27 GB) plus one flattened unit (a decoder layer,
+202M parameters: 0.8 GB), the three other ranks hold nothing, and each GPU receives 6.7 GB of
+fp32 shards; if every rank loaded the model, the node would need 4 x 27 = 108 GB of host memory.
+
+The learner's check that all this is right: `tests/test_zero_fsdp.py` trains it next to a
+single process on the whole batch and finds the same losses and weights.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist import comm
+from minidist.precision import MixedPrecision, for_reduction
+from minidist.zero import FlatParameter, clip_sharded_grad_norm_, gathered_parameters
+
+
+class Unit:
+    """One FSDP unit: a module, its flat fp32 shard, and its full flat buffer while gathered."""
+
+    def __init__(self, fsdp, module: nn.Module, slots: list, device: torch.device):
+        self.fsdp, self.module = fsdp, module
+        params = list({id(p): p for *_, p in slots}.values())  # a tied weight once
+        if not all(p.requires_grad for p in params):
+            raise ValueError(f"minidist FSDP shards trainable parameters only; {type(module).__name__} has frozen ones")
+        index = {id(p): k for k, p in enumerate(params)}
+        self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots]
+        self.names = [name for _, _, name, _ in self.slots]
+        self.flat = FlatParameter(params, fsdp.world_size, fsdp.rank)
+        # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
+        shard = torch.empty(self.flat.shard_numel, dtype=torch.float32, device=device)
+        chunks = None
+        if fsdp.rank == 0:
+            chunks = list(self.flat.flatten(params, torch.float32).to(device).chunk(fsdp.world_size))
+        comm.scatter(shard, chunks, src=fsdp.src, group=fsdp.group)
+        self.flat_param = nn.Parameter(shard)
+        module.register_parameter("flat_param", self.flat_param)
+        for owner, attr, _, _ in self.slots:
+            del owner._parameters[attr]  # from now on a plain attribute, set to a view when gathered
+        # The full flat buffer: a leaf that requires grad, so autograd accumulates the gradient of
+        # every view of it into full.grad, in one tensor. Its storage is freed when not in use.
+        self.full = torch.empty(self.flat.padded_numel, dtype=fsdp.mp.param_dtype, device=device, requires_grad=True)
+        self._data = self.full.data  # same storage, own version counter: gathering into it is no
+        self._free_storage()  # "in-place modification" in autograd's eyes
+        self.full.register_post_accumulate_grad_hook(self._post_backward)
+        self.handle = self._send = None
+        self.state = "sharded"  # "gathering" (all-gather in flight), "gathered"
+        self.gathered_for_backward = False
+
+    # ------------------------------------------------------------------ gather and free
+    def gather(self) -> None:
+        """Start the all-gather of this unit (asynchronous); `wait` finishes it."""
+        if self.state != "sharded":
+            return
+        self._data.untyped_storage().resize_(self.flat.padded_numel * self._data.element_size())
+        self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)  # bf16: half the bytes
+        self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
+        self.state = "gathering"
+        self.fsdp._count_unsharded(+1)
+
+    def wait(self) -> None:
+        if self.state == "gathering":
+            self.handle.wait()
+            self.handle = self._send = None
+            self.state = "gathered"
+
+    def use_views(self) -> None:
+        """Point every module attribute at its slice of the full buffer (fresh views each forward)."""
+        views = self.flat.views(self.full)
+        for owner, attr, _, k in self.slots:
+            setattr(owner, attr, views[k])
+
+    def free(self) -> None:
+        if self.state != "sharded":
+            self.wait()
+            self._free_storage()
+            self.state = "sharded"
+            self.fsdp._count_unsharded(-1)
+
+    def _free_storage(self) -> None:
+        self._data.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------ the hooks
+    def pre_forward(self, *_) -> None:
+        self.gather()
+        self.wait()
+        self.use_views()
+        if not self.fsdp.in_backward:
+            self.fsdp.prefetch(self, +1)
+
+    def post_forward(self, module, args, output):
+        if self.fsdp.in_backward:  # a recomputation inside backward: the unit is needed now
+            return output
+        self.free()
+        if torch.is_grad_enabled():
+            self.gathered_for_backward = False
+            self.fsdp.hook_outputs(output, self.pre_backward)
+        return output
+
+    def pre_backward(self, grad):
+        self.fsdp.start_backward()
+        if not self.gathered_for_backward:  # once, however many outputs the unit has
+            self.gathered_for_backward = True
+            self.gather()
+            self.wait()
+            self.fsdp.prefetch(self, -1)
+        return grad
+
+    def _post_backward(self, full: torch.Tensor) -> None:
+        if self.fsdp.require_sync:
+            grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
+            full.grad = None
+            grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
+            out = torch.empty(self.flat.shard_numel, dtype=grad.dtype, device=grad.device)
+            handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True)
+            self.fsdp.pending.append((self, handle, out, grad))
+        self.free()  # no_sync: full.grad stays and the next backward adds to it
+
+    def finish_reduction(self, handle, out) -> None:
+        handle.wait()
+        out = out.to(torch.float32)
+        if self.flat_param.grad is None:
+            self.flat_param.grad = out
+        else:
+            self.flat_param.grad += out
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 around a model: units by layer class, flat shards, gather and free, prefetch."""
+
+    def __init__(self, module: nn.Module, unit_classes=(), mixed_precision: MixedPrecision = MixedPrecision(),
+                 device: torch.device | None = None, process_group=None):
+        super().__init__()
+        self.module, self.mp, self.group = module, mixed_precision, process_group
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.src = dist.get_global_rank(process_group, 0) if process_group else 0
+        device = device or torch.device("cpu")
+        self.require_sync, self.in_backward, self.pending = True, False, []
+        self.unsharded = self.max_unsharded = 0
+        # The wrap policy: outermost modules of the given classes, in registration order.
+        unit_modules = {}
+        for name, m in module.named_modules():
+            if type(m).__name__ in unit_classes and not any(name.startswith(u + ".") for u in unit_modules):
+                unit_modules[name] = m
+        claimed = {id(m) for m in unit_modules.values()}
+        slots = [_slots(m, name + ".", claimed) for name, m in unit_modules.items()] + [_slots(module, "", claimed)]
+        owner = {}
+        for i, unit_slots in enumerate(slots):  # a weight tied across two units would be sharded twice
+            for _, _, name, p in unit_slots:
+                if owner.setdefault(id(p), i) != i:
+                    raise ValueError(f"{name} is shared by two FSDP units; tie weights within one unit "
+                                     "(or use --no_layer_wrap_policy)")
+        self.layer_units = [Unit(self, m, s, device) for m, s in zip(unit_modules.values(), slots)]
+        self.root = Unit(self, module, slots[-1], device)
+        self.units = self.layer_units + [self.root]
+        for u in self.layer_units:
+            u.module.register_forward_pre_hook(u.pre_forward)
+            u.module.register_forward_hook(u.post_forward)
+        self._materialize_buffers(device)
+
+    def _materialize_buffers(self, device) -> None:
+        """Buffers (rotary frequencies, ...) are small: rank 0's go to every rank, as in DDP."""
+        for owner in self.module.modules():
+            for name, buf in owner._buffers.items():
+                if buf is not None:
+                    buf = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
+                    comm.broadcast(buf, src=self.src, group=self.group)
+                    owner._buffers[name] = buf
+
+    def forward(self, *args, **kwargs):
+        self.in_backward = False
+        self.root.pre_forward()
+        output = self.module(*args, **kwargs)
+        return self.root.post_forward(self.module, args, output)
+
+    # ------------------------------------------------------------------ shared by the units
+    def prefetch(self, unit: Unit, step: int) -> None:
+        """Start gathering the layer unit that runs after `unit` (step +1, forward) or before it
+        (-1, backward); the root's neighbours are the first and the last layer."""
+        if not self.layer_units:
+            return
+        if unit is self.root:
+            nxt = self.layer_units[0 if step > 0 else -1]
+        else:
+            i = self.layer_units.index(unit) + step
+            nxt = self.layer_units[i] if 0 <= i < len(self.layer_units) else None
+        if nxt is not None:
+            nxt.gather()
+
+    def hook_outputs(self, output, hook) -> None:
+        """Call `hook` when the gradient of any tensor in `output` is computed: the unit's backward starts."""
+        if isinstance(output, torch.Tensor):
+            if output.requires_grad:
+                output.register_hook(hook)
+        elif isinstance(output, dict):
+            for value in output.values():
+                self.hook_outputs(value, hook)
+        elif isinstance(output, (tuple, list)):
+            for value in output:
+                self.hook_outputs(value, hook)
+
+    def start_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            # Ask autograd to call us once this whole backward pass is over.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        for unit, handle, out, _ in self.pending:
+            unit.finish_reduction(handle, out)
+        self.pending.clear()
+        for unit in self.units:  # a prefetched unit that did not run after all
+            unit.free()
+        self.in_backward = False
+
+    def _count_unsharded(self, change: int) -> None:
+        self.unsharded += change
+        self.max_unsharded = max(self.max_unsharded, self.unsharded)
+
+    # ------------------------------------------------------------------ what the loop calls
+    def no_sync(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def unsynced():
+            self.require_sync = False
+            try:
+                yield
+            finally:
+                self.require_sync = True
+        return unsynced()
+
+    def build_optimizer(self, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+        """Plain AdamW over the flat fp32 shards: each rank's moments are for its shard only."""
+        return torch.optim.AdamW([u.flat_param for u in self.units], lr=lr, betas=(0.9, 0.95),
+                                 weight_decay=weight_decay)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return clip_sharded_grad_norm_([u.flat_param.grad for u in self.units if u.flat_param.grad is not None],
+                                       max_norm, self.group)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights by their original names, on every rank (every rank calls it)."""
+        full = {}
+        for unit in self.units:
+            views = gathered_parameters(unit.flat, unit.flat_param, self.group)
+            full.update({name: views[k] for _, _, name, k in unit.slots})
+        return full
+
+
+def _slots(module: nn.Module, prefix: str, claimed: set) -> list:
+    """(owning module, attribute, full name, parameter) for every parameter of `module` that is not
+    inside another unit; a tied weight appears once per name."""
+    out = []
+
+    def walk(m, path):
+        for attr, p in m._parameters.items():
+            if p is not None:
+                out.append((m, attr, path + attr, p))
+        for name, child in m._modules.items():
+            if child is not None and id(child) not in claimed:
+                walk(child, path + name + ".")
+
+    walk(module, prefix)
+    return out
