@@ -31,25 +31,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`: views and repeats count once."""
-    seen = {}
+def storage_bytes(tensors, counted: set | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors`: views and repeats count once, and so
+    does a storage already in `counted` (which this call adds to)."""
+    counted = set() if counted is None else counted
+    total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
             storage = _local(t).untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
+            if storage._cdata not in counted:
+                counted.add(storage._cdata)
+                total += storage.nbytes()
+    return total
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Parameters, gradients and optimizer states held by this rank, in bytes."""
+    """Parameters, gradients and optimizer states held by this rank, in bytes, each storage once."""
     params = list(model.parameters())
-    # A sharding optimizer may keep parameters of its own (fp32 masters of a flat shard): count them as its states.
+    # A sharding optimizer may keep parameters of its own (fp32 masters of a flat shard): count them as its
+    # states, unless they are views of the model's own parameters (ZeRO in fp32), already counted.
     extra = [p for group in optimizer.param_groups for p in group["params"] if all(p is not q for q in params)]
     states = [t for state in optimizer.state.values() for t in state.values()]
-    return {"parameters": storage_bytes(params),
-            "gradients": storage_bytes(p.grad for p in params + extra),
-            "optimizer_states": storage_bytes(states + extra)}
+    # ZeRO-2 keeps its gradient shards outside any .grad, and says where.
+    shards = model.gradient_shards() if hasattr(model, "gradient_shards") else []
+    counted = set()
+    return {"parameters": storage_bytes(params, counted),
+            "gradients": storage_bytes([p.grad for p in params + extra] + shards, counted),
+            "optimizer_states": storage_bytes(states + extra, counted)}
 
 
 class _Saved:

@@ -137,6 +137,7 @@ class ZeroDP(nn.Module):
                 for p, view in zip(bucket.params, bucket.flat.views(bucket.grad)):
                     p.grad = view  # autograd adds into an existing .grad in place
         self._ready = 0
+        self._in_flight: list[Bucket] = []  # ZeRO-2: the bucket whose reduce-scatter is on the wire
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -183,8 +184,11 @@ class ZeroDP(nn.Module):
             param.grad = None  # the full gradient of this parameter is gone
         bucket.pending -= 1
         if self.stage == 2 and bucket.pending == 0:  # full: send it now, while backward goes on
+            for earlier in self._in_flight:  # at most two flat gradients alive: the one filling, the one sent
+                self._keep_shard(earlier)
             bucket.reduced = torch.empty(bucket.flat.shard_numel, dtype=self.mp.reduce_dtype, device=param.device)
             bucket.handle = comm.reduce_scatter(bucket.reduced, bucket.grad, group=self.group, async_op=True)
+            self._in_flight = [bucket]
         self._ready += 1
         if self._ready == len(self.params):  # backward is over
             self._ready = 0
@@ -197,13 +201,18 @@ class ZeroDP(nn.Module):
                 reduced = torch.empty(bucket.flat.shard_numel, dtype=self.mp.reduce_dtype, device=bucket.grad.device)
                 comm.reduce_scatter(reduced, for_reduction(bucket.grad, self.mp), group=self.group)
                 bucket.grad[bucket.flat.shard_slice].copy_(reduced.div_(self.world_size))  # sum -> average
-                continue
-            bucket.handle.wait()
-            if bucket.grad_shard is None:
-                bucket.grad_shard = torch.empty(bucket.flat.shard_numel, dtype=self.mp.param_dtype,
-                                                device=bucket.reduced.device)
-            bucket.grad_shard.copy_(bucket.reduced.div_(self.world_size))
-            bucket.grad = bucket.reduced = bucket.handle = None  # only the shard's gradient stays
+        for bucket in self._in_flight:
+            self._keep_shard(bucket)
+        self._in_flight = []
+
+    def _keep_shard(self, bucket: Bucket) -> None:
+        """ZeRO-2: wait for a bucket's reduce-scatter, keep its shard (averaged), drop the rest."""
+        bucket.handle.wait()
+        if bucket.grad_shard is None:
+            bucket.grad_shard = torch.empty(bucket.flat.shard_numel, dtype=self.mp.param_dtype,
+                                            device=bucket.reduced.device)
+        bucket.grad_shard.copy_(bucket.reduced.div_(self.world_size))
+        bucket.grad = bucket.reduced = bucket.handle = None  # only the shard's gradient stays
 
     # ------------------------------------------------------------------ the optimizer step on shards
     def build_optimizer(self, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
@@ -222,14 +231,20 @@ class ZeroDP(nn.Module):
     def _after_step(self) -> None:
         for bucket in self.buckets:
             bucket.master.grad = None
-            mine = bucket.weights[bucket.flat.shard_slice]
-            if mine.data_ptr() != bucket.master.data_ptr():
-                mine.copy_(bucket.master)  # bf16: the updated master, rounded, into the model's weights
-            comm.all_gather(bucket.weights, mine.clone(), group=self.group)  # everyone's updated shards
             if self.stage == 1:
                 bucket.grad.zero_()  # ready for the next step's accumulation
             else:
                 bucket.grad_shard.zero_()
+        self.refresh_weights()
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Every rank's weights from the masters: after a step, or after loading a checkpoint."""
+        for bucket in self.buckets:
+            mine = bucket.weights[bucket.flat.shard_slice]
+            if mine.data_ptr() != bucket.master.data_ptr():
+                mine.copy_(bucket.master)  # bf16: the updated master, rounded, into the model's weights
+            comm.all_gather(bucket.weights, mine.clone(), group=self.group)  # everyone's updated shards
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group)

@@ -37,6 +37,9 @@ CASES = {
     ("torch", "ddp"): ("full", signal.SIGTERM),
     ("torch", "fsdp"): ("sharded", signal.SIGKILL),
     ("minidist", "ddp"): ("sharded", signal.SIGKILL),
+    # The hand-written sharded strategies hand out flat shards (minidist/sharded_state.py).
+    ("minidist", "fsdp"): ("sharded", signal.SIGKILL),
+    ("minidist", "zero2"): ("full", signal.SIGTERM),
 }
 
 
@@ -153,23 +156,25 @@ def test_a_run_killed_by_a_signal_resumes_bitwise(runs, impl, strategy):
             assert torch.equal(tensor, reference["parameters"][name]), name
 
 
-def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, tmp_path):
-    """2 ranks -> 4 -> 2 with the same global batch of 4: DCP reads each rank's slices.
+@pytest.mark.parametrize("impl", ["torch", "minidist"])
+def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, tmp_path, impl):
+    """2 ranks -> 4 -> 2 with the same global batch of 4: DCP reads each rank's slices (FSDP2's
+    tensors, or minidist's flat shards, cut into other slices on 4 ranks than on 2).
 
     Not bitwise: the gradient is reduced in another order over 4 ranks than over 2. The losses
     must match the uninterrupted 2-rank run to 1e-5, which also shows each resume read the right
     next batch (another batch changes the loss in the second decimal), and the weights to 1% of
     one step, the tolerance of the parity tests in test_finetune.py."""
-    run = runs("torch", "fsdp")
+    run = runs(impl, "fsdp")
     out = tmp_path / "out"
     shutil.copytree(run["out"] / "checkpoint-4", out / "checkpoint-4")  # nothing else: no metrics.jsonl
-    four_args = finetune_args(tiny_model, out, "torch", "fsdp", "--batch_size_per_device", "1",
+    four_args = finetune_args(tiny_model, out, impl, "fsdp", "--batch_size_per_device", "1",
                               "--resume", str(out / "checkpoint-4"), "--save_steps", "2")
     four = launch(run_finetune, 4, four_args, timeout_s=300)[0]
     assert json.loads((out / "checkpoint-6" / "checkpoint.json").read_text())["world_size"] == 4
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]  # kept 2
     # From step 6 again, while latest names step 8: saving step 8 replaces the 4-rank one.
-    two = launch(run_finetune, 2, finetune_args(tiny_model, out, "torch", "fsdp", "--resume", str(out / "checkpoint-6"),
+    two = launch(run_finetune, 2, finetune_args(tiny_model, out, impl, "fsdp", "--resume", str(out / "checkpoint-6"),
                                                 "--save_steps", "2"), timeout_s=300)[0]
     assert json.loads((out / "checkpoint-8" / "checkpoint.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-6", "checkpoint-8"]
