@@ -13,7 +13,9 @@ parameter; with fp32 parameters and gradients that is 4 + 4 + 8 = 16 bytes per p
 `--mixed_precision bf16` in this loop computes in bf16 but keeps the fp32 parameters as the
 master weights (autocast for DDP, FSDP2's bf16 all-gather for FSDP), so the 16 bytes stay
 4 + 4 + 8. The ZeRO paper's split, 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master,
-m, v), gives the same 16 for DDP and FSDP; it is assumed for the hand-written ZeRO and FSDP.
+m, v), gives the same 16 for DDP and FSDP; it is what the hand-written ZeRO-1/2 hold in bf16
+(`zero.py`: bf16 model, fp32 master shard in the optimizer). FSDP, by hand as in FSDP2, keeps
+the fp32 shard as the parameter and its fp32 gradient shard: 4 + 4 + 8 per sharded element.
 What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradients, FSDP
 (ZeRO-3) also the parameters. FSDP2 shards each tensor on dim 0 (ceil(rows/N) rows, padded).
 
@@ -67,7 +69,7 @@ import torch
 
 GB = 1e9
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-BUCKET_BYTES = 25 * 2**20  # one in-flight bucket of a hand-written ZeRO (assumed until zero.py lands)
+BUCKET_BYTES = 25 * 2**20  # one flat gradient bucket of the hand-written ZeRO (`--bucket_cap_mb 25`)
 BUNDLED = {"codellama/CodeLlama-7b-hf": Path(__file__).parent / "configs" / "codellama-7b"}
 
 
@@ -175,7 +177,7 @@ def shard_numel(s: Shape, setup: Setup) -> int:
 def model_states(s: Shape, setup: Setup) -> dict:
     """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
     k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
-    zero_paper = setup.mixed_precision == "bf16" and setup.impl == "minidist" and k != "ddp"
+    zero_paper = setup.mixed_precision == "bf16" and k in ("zero1", "zero2")
     w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8)
     return {
         "parameters": w * (shard if k == "fsdp" else full),
@@ -234,7 +236,9 @@ def buffers(s: Shape, setup: Setup) -> dict:
     elif k == "fsdp":
         gathered = (2 * c + 4) * s.num_params
     # DDP's buckets hold a copy of every fp32 gradient (`--ddp_variant naive` has none).
-    buckets = 4 * s.num_params if k == "ddp" else (BUCKET_BYTES if k in ("zero1", "zero2") else 0)
+    # ZeRO-1 casts one bucket at a time for its fp32 reduce-scatter; ZeRO-2 has two in flight, one
+    # being filled while the other is on the wire.
+    buckets = {"ddp": 4 * s.num_params, "zero1": BUCKET_BYTES, "zero2": 2 * BUCKET_BYTES}.get(k, 0)
     updated = s.num_params if k == "ddp" else shard_numel(s, setup)  # what this rank's AdamW steps
     return {"gathered_units": gathered, "buckets": buckets, "optimizer_step": 4 * updated}
 

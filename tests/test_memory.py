@@ -25,13 +25,17 @@ from minidist.models import load_model, write_tiny_llama
 from minidist.strategies import Strategy, TorchDDP
 
 SEQ, BATCH = 32, 2  # every game is longer than 32 tokens: full, unpadded micro-batches
-STRATEGIES = [  # (impl, strategy, extra flags); minidist/ddp is the hand-written DDP of ddp.py
+STRATEGIES = [  # (impl, strategy, extra flags); minidist/* are the hand-written ddp.py, zero.py, fsdp.py
     ("torch", "ddp", []),
     ("minidist", "ddp", []),
     ("torch", "fsdp", []),
     ("torch", "fsdp", ["--no_layer_wrap_policy"]),
+    ("minidist", "zero1", []),
+    ("minidist", "zero2", []),
+    ("minidist", "fsdp", []),
 ]
-BF16 = [("torch", "ddp", ["--mixed_precision", "bf16"]), ("torch", "fsdp", ["--mixed_precision", "bf16"])]
+BF16 = [(impl, name, ["--mixed_precision", "bf16"])
+        for impl, name in [("torch", "ddp"), ("torch", "fsdp"), ("minidist", "zero1"), ("minidist", "zero2"), ("minidist", "fsdp")]]
 
 
 class CPU:
@@ -49,7 +53,8 @@ def long_games(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_the_loop_measures_what_the_estimate_says(tiny_model, long_games, tmp_path, world_size):
     """One optimizer step per strategy, all in one launch; the loop's metrics.jsonl against the estimate.
-    On 2 ranks bf16 too: autocast (DDP) and FSDP2's bf16 all-gather keep the same fp32 model states."""
+    On 2 ranks bf16 too: autocast (DDP) and FSDP's bf16 all-gather keep the same fp32 model states;
+    the hand-written ZeRO-1/2 hold bf16 weights and gradients, and fp32 masters and moments."""
     cases = STRATEGIES + (BF16 if world_size == 2 else [])
     common = ["--model", tiny_model, "--data", long_games, "--max_steps", "1", "--max_seq_length", str(SEQ),
               "--batch_size_per_device", str(BATCH), "--eval_prefixes", "0", "--no_save"]
