@@ -117,10 +117,21 @@ def write_tiny_llama(out_dir, *, hidden_size=256, num_layers=4, num_heads=4, see
     config = tiny_llama_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                                tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    return _write(LlamaForCausalLM(config), build_chess_tokenizer(), out_dir)
+
+
+def _write(model, tokenizer, out_dir) -> Path:
+    """The folder `from_pretrained` reads: config.json, model.safetensors, the tokenizer's files.
+
+    Not `model.save_pretrained`: under torch.distributed, transformers writes the weights on rank 0
+    only, and every rank may be the one that writes the tiny model first (see `resolve`)."""
+    from safetensors.torch import save_model
+
     out = Path(out_dir)
-    model.save_pretrained(out)
-    build_chess_tokenizer().save_pretrained(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})  # a tied weight once
+    tokenizer.save_pretrained(out)
     return out
 
 
@@ -135,10 +146,7 @@ def write_tiny_gpt2(out_dir, *, hidden_size=64, num_layers=2, num_heads=2, seed=
                         n_positions=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(seed)
-    out = Path(out_dir)
-    GPT2LMHeadModel(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return _write(GPT2LMHeadModel(config), tokenizer, out_dir)
 
 
 def resolve(name_or_path: str) -> str:
