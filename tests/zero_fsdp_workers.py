@@ -1,0 +1,117 @@
+"""Worker functions for tests/test_zero_fsdp.py, run in each rank by `launch`.
+
+One launch trains many variants one after the other in the same ranks: starting the processes
+and importing transformers costs more on 2 cores than a 5-step variant of these tiny models.
+Each variant returns what the tests hold to account: losses, gradient norms, every parameter by
+name (rank 0), bytes sent per optimizer step, model-state bytes after each step, the flat
+buffers' sizes and, for FSDP, how many units were gathered at once.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from minidist.distributed import get_env
+
+
+def variant_name(strategy, mixed_precision="fp32", wrap=True, checkpointing=False, meta=False) -> str:
+    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`."""
+    parts = [strategy, *(["bf16"] if mixed_precision == "bf16" else []), *([] if wrap else ["no-wrap"]),
+             *(["ckpt"] if checkpointing else []), *(["meta"] if meta else [])]
+    return "/".join(parts)
+
+
+def _flats(model, strategy):
+    """The FlatParameters of a wrapped model: ZeRO's buckets, FSDP's units; none for DDP."""
+    if strategy in ("zero1", "zero2"):
+        return [b.flat for b in model.buckets]
+    if strategy == "fsdp":
+        return [u.flat for u in model.units]
+    return []
+
+
+def run_plan(plan, global_batch, seq_len, lr, bucket_cap_mb):
+    """Train every variant of every entry of `plan`, in this rank; return {key: {variant: result}}.
+
+    An entry is (key, model folder, accumulation steps, variants), a variant a dict of
+    `train_one`'s keyword arguments. The global batch stays `global_batch` sequences: each rank
+    runs `accumulation` micro-batches of global_batch / (world_size x accumulation)."""
+    from minidist import data, models
+
+    env = get_env()
+    loaded = {}
+    results = {}
+    for key, model_dir, accum, variants in plan:
+        if model_dir not in loaded:
+            tokenizer = models.load_tokenizer(model_dir)
+            games = data.load_games(data.bundled_games("train"))
+            loaded[model_dir] = tokenizer, data.tokenize_games(games, tokenizer, seq_len)
+        tokenizer, sequences = loaded[model_dir]
+        micro_batch = global_batch // (env.world_size * accum)
+        sampler = data.GlobalBatchSampler(len(sequences), global_batch, seed=0)
+        results[key] = {variant_name(**{k: v for k, v in kw.items() if k != "steps"}):
+                        train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, **kw)
+                        for kw in variants}
+    return results
+
+
+def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, strategy, steps,
+              mixed_precision="fp32", wrap=True, checkpointing=False, meta=False):
+    """Train one variant from weights that differ by rank; return what the tests check.
+
+    Rank 0 keeps the weights in `model_dir`; the other ranks add noise to theirs before wrapping
+    or, with meta=True, build the model on the meta device through FSDP's `load_model`. Either
+    way only the broadcast (ZeRO, DDP) or the scatter (FSDP) at wrap time can make the runs
+    agree with the single-process reference."""
+    from minidist import data, finetune, memory_measure, models
+    from minidist.strategies import get_strategy
+
+    env = get_env()
+    started = time.perf_counter()
+    torch.manual_seed(env.rank)
+    options = {"bucket_cap_mb": bucket_cap_mb} if strategy != "fsdp" else {}  # several buckets, not one
+    impl = get_strategy(strategy, "minidist", env, mixed_precision=mixed_precision, layer_wrap_policy=wrap, **options)
+    if meta:  # FSDP: rank 0 reads the weights, the others only build shapes
+        model = impl.load_model(model_dir)
+        assert all(p.is_meta for p in model.parameters()) == (env.rank > 0)
+        checksum_before = None
+    else:
+        model = models.load_model(model_dir)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * env.rank)
+        checksum_before = sum(p.double().sum().item() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # a tied weight once
+    if checkpointing:
+        impl.checkpoint_activations(model)
+    model = impl.wrap(model)
+    optimizer = impl.build_optimizer(model, lr)
+    impl.comm_bytes()  # what wrapping sent is not a step's
+    losses, grad_norms, comm_bytes, memory = [], [], [], []
+    for step in range(steps):
+        global_ids = sampler.global_batch(step)
+        num_targets = sum(len(sequences[i]) - 1 for i in global_ids)
+        micro_batches = [data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+                         for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_batch)]
+        loss_sum = finetune.train_step(model, impl, micro_batches, num_targets, env.world_size)
+        grad_norms.append(impl.clip_grad_norm_(model, 1.0))  # of the averaged gradient, before clipping
+        optimizer.step()
+        memory.append(memory_measure.model_state_bytes(model, optimizer))  # after the step, before zero_grad
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        losses.append(loss_sum.item() / num_targets)
+        comm_bytes.append(impl.comm_bytes())
+    flats = _flats(model, strategy)
+    result = {
+        "losses": losses, "grad_norms": grad_norms, "comm_bytes": comm_bytes, "memory": memory,
+        "checksum_before": checksum_before, "trainable": trainable, "num_flat": len(flats),
+        "numel": sum(f.numel for f in flats), "padded_numel": sum(f.padded_numel for f in flats),
+        "optimizer_tensors": len(optimizer.param_groups[0]["params"]),
+        "parameters": impl.full_state_dict(model),  # every rank takes part; rank 0 gets it
+        "seconds": time.perf_counter() - started,  # for choosing what a launch can afford
+    }
+    if strategy == "fsdp":
+        result.update(max_unsharded=model.max_unsharded, unsharded_after=model.unsharded,
+                      num_layer_units=len(model.layer_units))
+    return result
