@@ -50,6 +50,8 @@ The learner's check that all this is right: `tests/test_zero_fsdp.py` trains it 
 single process on the whole batch and finds the same losses and weights.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -69,7 +71,6 @@ class Unit:
             raise ValueError(f"minidist FSDP shards trainable parameters only; {type(module).__name__} has frozen ones")
         index = {id(p): k for k, p in enumerate(params)}
         self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots]
-        self.names = [name for _, _, name, _ in self.slots]
         self.flat = FlatParameter(params, fsdp.world_size, fsdp.rank)
         # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
         shard = torch.empty(self.flat.shard_numel, dtype=torch.float32, device=device)
@@ -262,17 +263,14 @@ class FullyShardedDataParallel(nn.Module):
         self.max_unsharded = max(self.max_unsharded, self.unsharded)
 
     # ------------------------------------------------------------------ what the loop calls
+    @contextmanager
     def no_sync(self):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def unsynced():
-            self.require_sync = False
-            try:
-                yield
-            finally:
-                self.require_sync = True
-        return unsynced()
+        """Backward passes inside only accumulate local gradients; nothing is sent."""
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
 
     def build_optimizer(self, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
         """Plain AdamW over the flat fp32 shards: each rank's moments are for its shard only."""

@@ -47,6 +47,7 @@ micro-batch, as PyTorch's FSDP does with `set_requires_gradient_sync(False)`.
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -159,17 +160,14 @@ class ZeroDP(nn.Module):
                                "trainable parameters; every one must be used (freeze the others)")
         return self.module(*args, **kwargs)
 
+    @contextmanager
     def no_sync(self):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def unsynced():
-            self.require_sync = False
-            try:
-                yield
-            finally:
-                self.require_sync = True
-        return unsynced()
+        """Backward passes inside only accumulate local gradients; nothing is sent."""
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
 
     # ------------------------------------------------------------------ backward: reduce-scatter
     def _on_grad_ready(self, param) -> None:

@@ -88,17 +88,27 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
         torch.testing.assert_close(tensor, result["parameters"][name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_bf16_tracks_fp32(tiny_model, reference, tmp_path, strategy):
+@pytest.mark.parametrize("impl,strategy,extra", [
+    ("torch", "ddp", []),
+    ("torch", "fsdp", []),
+    # The hand-written DDP under autocast, summing its gradients in bf16: half the bytes on the wire.
+    ("minidist", "ddp", ["--reduce_dtype", "bf16"]),
+])
+def test_bf16_tracks_fp32(tiny_model, reference, tmp_path, impl, strategy, extra):
     """bf16 compute keeps 8 bits of mantissa (relative rounding 2**-8 = 0.4%) while the master
-    weights, gradients and reductions stay fp32: over a few steps the loss stays within 1% of
-    fp32's, and it is not bitwise equal (so bf16 really ran)."""
+    weights, gradients and (unless --reduce_dtype bf16) reductions stay fp32: over a few steps the
+    loss stays within 1% of fp32's, and it is not bitwise equal (so bf16 really ran)."""
     argv = common_args(tiny_model, tmp_path, "bf16") + [
-        "--strategy", strategy, "--batch_size_per_device", "2", "--mixed_precision", "bf16", "--no_save"]
-    losses = torch.tensor(launch(run_finetune, 2, argv, timeout_s=300)[0]["losses"])
-    fp32 = torch.tensor(reference[0])
+        "--impl", impl, "--strategy", strategy, "--batch_size_per_device", "2", "--mixed_precision", "bf16",
+        "--no_save"] + extra
+    result = launch(run_finetune, 2, argv, timeout_s=300)[0]
+    losses, fp32 = torch.tensor(result["losses"]), torch.tensor(reference[0])
     torch.testing.assert_close(losses, fp32, rtol=1e-2, atol=0)
     assert not torch.equal(losses, fp32)
+    if "--reduce_dtype" in extra:  # each of P gradients, all-reduced in 2 bytes: 2P(N-1)/N x 2
+        records = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+        parameters = sum(t.numel() for t in reference[1].values())
+        assert [r["comm_bytes"] for r in records] == [2 * parameters * (2 - 1) / 2 * 2] * STEPS
 
 
 def run_cli(*argv):
