@@ -2,6 +2,8 @@
 
 The training loop in `finetune.py` never asks which strategy it runs. It calls:
 
+    model = strategy.load_model(name)           # FSDP by hand: the weights on rank 0 only
+    strategy.checkpoint_activations(model)      # with --gradient_checkpointing
     model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP)
     optimizer = strategy.build_optimizer(model, lr, weight_decay)
     with strategy.no_sync(model):               # micro-batches that only accumulate
