@@ -72,6 +72,14 @@ def autocast(mp: MixedPrecision, device: torch.device):
     return torch.autocast(device.type, dtype=mp.param_dtype)
 
 
+def reduction_dtype(grad_dtype: torch.dtype, mp: MixedPrecision) -> torch.dtype:
+    """The dtype a gradient is summed in: `reduce_dtype`, but never narrower than the gradient
+    itself unless bf16 was asked for (fp64 runs, which the tests use, stay fp64)."""
+    if mp.reduce_dtype == torch.float32:
+        return torch.promote_types(grad_dtype, torch.float32)
+    return mp.reduce_dtype
+
+
 def for_reduction(grad: torch.Tensor, mp: MixedPrecision) -> torch.Tensor:
     """The gradient in the dtype it is summed in (the tensor itself when it already is)."""
-    return grad if grad.dtype == mp.reduce_dtype else grad.to(mp.reduce_dtype)
+    return grad.to(reduction_dtype(grad.dtype, mp))

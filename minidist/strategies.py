@@ -177,9 +177,12 @@ class MinidistDDP(Minidist, TorchDDP):
         from minidist import ddp
 
         model = model.to(self.env.device)
+        # DDP's gradients have the fp32 parameters' dtype (fp64 in a test): reduced as they are,
+        # unless --reduce_dtype bf16 asks for half the bytes.
+        reduce_dtype = precision.reduction_dtype(next(model.parameters()).dtype, self.mp)
         if self.ddp_variant == "naive":
-            return ddp.NaiveDDP(model, reduce_dtype=self.mp.reduce_dtype)
-        return ddp.BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb, reduce_dtype=self.mp.reduce_dtype)
+            return ddp.NaiveDDP(model, reduce_dtype=reduce_dtype)
+        return ddp.BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb, reduce_dtype=reduce_dtype)
 
 
 class MinidistSharded(Minidist):
