@@ -15,7 +15,9 @@
 # Expected: FSDP fits (about 27 GB of model state per GPU plus activations); --no_fsdp runs out
 # of GPU memory in its first step (16 bytes x 6.7e9 parameters = 108 GB > 80 GB). While loading,
 # each rank holds the full fp32 model in host memory before it is sharded: about 4 x 27 GB of
-# the node's RAM (--mem=0 asks for all of it).
+# the node's RAM (--mem=0 asks for all of it); with `--impl minidist` (FSDP by hand) only rank 0
+# reads the weights and scatters the shards. `--impl minidist --strategy zero1|zero2|fsdp` runs
+# the hand-written strategies, which have not run on GPUs yet.
 #
 # Before the first job, on a login node with internet, cache the model once:
 #   python -m minidist.models download codellama/CodeLlama-7b-hf
