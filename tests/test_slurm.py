@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 
 
-def sbatch(tmp_path, model, *args, sbatch_options=(), **env):
+def sbatch(tmp_path, model, *args, sbatch_options=(), script="chess_finetune.sh", **env):
     variables = {
         **os.environ,
         "PATH": f"{FAKE_SLURM}:{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -29,10 +29,11 @@ def sbatch(tmp_path, model, *args, sbatch_options=(), **env):
         "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2", "MASTER_PORT": str(find_free_port()),
         "FAKE_SLURM_JOB_ID": "42", **env,
     }
-    done = subprocess.run(["sbatch", *sbatch_options, str(ROOT / "slurm" / "chess_finetune.sh"), *args], cwd=tmp_path,
+    done = subprocess.run(["sbatch", *sbatch_options, str(ROOT / "slurm" / script), *args], cwd=tmp_path,
                           env=variables, capture_output=True, text=True, timeout=300)
-    log = (tmp_path / "chess-finetune-42.out").read_text()
-    return done, log
+    logs = list(tmp_path.glob("*-42.out"))  # `#SBATCH --output=%x-%j.out`: named after the job
+    assert len(logs) == 1, f"expected one job log, found {logs}: {done.stdout}{done.stderr}"
+    return done, logs[0].read_text()
 
 
 @pytest.mark.parametrize("extra,strategy", [([], "torch/fsdp"), (["--no_fsdp"], "torch/ddp")])
@@ -90,3 +91,25 @@ def test_usr1_saves_a_checkpoint_requeues_and_the_next_start_resumes(tiny_model,
     # Full form: the checkpoint's model is a Hugging Face folder.
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-3" / "model").config.hidden_size == 64
+
+
+# The lesson scripts (slurm/NN_topic.sh) all hand over to chess_finetune.sh with their own flags,
+# so they take the same environment variables and minidist.finetune arguments; the tiny model and
+# two steps are enough to run their real launch lines. Lines each lesson's log must show:
+LESSON_LOG_LINES = {
+    "04_zero": ["lesson 04: minidist/zero2", "minidist/zero2 on 2 x cpu", "step    2/2"],
+    "05_fsdp": ["lesson 05 (FSDP by hand)", "minidist/fsdp on 2 x cpu", "step    2/2"],
+}
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "slurm").glob("[0-9][0-9]_*.sh")), ids=lambda p: p.stem)
+def test_every_lesson_script_runs_through_the_fakes_on_the_tiny_model(tiny_model, tmp_path, script):
+    done, log = sbatch(tmp_path, tiny_model, "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "0",
+                       "--no_save", script=script.name)
+    assert done.returncode == 0, log
+    assert "Submitted batch job 42" in done.stdout
+    assert "on 2 x cpu" in log and "Traceback" not in log, log
+    for line in LESSON_LOG_LINES.get(script.stem, []):
+        assert line in log, f"{script.name}: expected {line!r} in its log:\n{log}"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

@@ -1,0 +1,48 @@
+#!/bin/bash
+# Lesson 05, FSDP by hand: CodeLlama-7b fine-tuned on chess with minidist's own FSDP (fsdp.py)
+# on one node of 4 A100-80GB GPUs. The same code as notebooks/05_fsdp.ipynb, at 7B.
+#
+#   sbatch slurm/05_fsdp.sh                            # units per decoder layer: fits
+#   sbatch slurm/05_fsdp.sh --no_layer_wrap_policy     # one unit, the whole model: does it fit?
+#
+# Expected outcome (estimated, NOT run: no GPU has run this project yet). From
+#   python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy fsdp \
+#       --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB [--no_layer_wrap_policy]
+# - with the layer wrap policy (33 units: 32 LlamaDecoderLayers and the root): model states
+#   16P/N = 27.0 GB per GPU, gathered units 3.07 GB, peak about 43.2 GB: it fits in 80 GB, and
+#   the loss falls over the 200 steps as in slurm/chess_finetune.sh;
+# - with --no_layer_wrap_policy: the whole model is gathered at once (bf16 weights and gradients
+#   plus the fp32 reduce-scatter input: 53.9 GB), peak about 94.0 GB: CUDA out of memory in the
+#   first step, on every rank;
+# - both send 3P(N-1)/N elements per rank per step (weights all-gathered in bf16 twice, gradients
+#   reduce-scattered in fp32: 2 x 2 + 4 = 8 bytes x 6.74e9 x 3/4 = 40.4 GB per step, the
+#   `comm_bytes` of OUTPUT_DIR/metrics.jsonl), 1.5x DDP's element count (Zhao et al. 2023);
+# - only rank 0 reads the 27 GB of fp32 weights into host memory; ranks 1-3 build the model on the
+#   meta device and receive their 6.7 GB shards by a scatter.
+# Read the measured figures per rank from OUTPUT_DIR/metrics.jsonl (`memory_bytes`, `comm_bytes`,
+# `peak_memory_bytes`) and compare them with the lines above.
+#
+# The launch itself (srun, torchrun, rendezvous, batch sizes, requeue on preemption) is
+# slurm/chess_finetune.sh's: this script only picks the lesson's flags and hands over to it, so
+# the two cannot drift apart. Arguments after the script name are added last and win.
+#
+#SBATCH --job-name=lesson05-fsdp
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --mem=0
+#SBATCH --time=01:00:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+
+# sbatch runs a copy of this script from a spool folder, so $0 says nothing about the repository:
+# find chess_finetune.sh next to the minidist package that this job imports.
+cd "${SLURM_SUBMIT_DIR:-$PWD}"
+ROOT=$(python -c 'import minidist, pathlib; print(pathlib.Path(minidist.__file__).resolve().parents[1])')
+echo "lesson 05 (FSDP by hand): minidist/fsdp on $(basename "${MODEL:-codellama/CodeLlama-7b-hf}"), flags: $*"
+# exec: the same process, so SLURM's USR1 reaches chess_finetune.sh's trap directly.
+exec bash "$ROOT/slurm/chess_finetune.sh" --impl minidist --strategy fsdp "$@"
