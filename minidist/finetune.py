@@ -132,7 +132,8 @@ def train(args) -> dict:
         hf_logging.disable_progress_bar()
     micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
     try:  # everything a learner can get wrong, checked before the expensive model load
-        options = {k: getattr(args, k) for k in ("ddp_variant", "bucket_cap_mb", "reduce_dtype") if getattr(args, k) is not None}
+        options = {k: getattr(args, k) for k in ("ddp_variant", "bucket_cap_mb", "reduce_dtype")
+                   if getattr(args, k) is not None}  # only what the learner set: get_strategy checks they apply
         strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy, **options)
         args.model = models.resolve(args.model)
         tokenizer = models.load_tokenizer(args.model)

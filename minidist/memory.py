@@ -23,7 +23,8 @@ What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradi
 every gradient when it wraps the model: a second copy of the gradients, 4P (PyTorch's
 `gradient_as_bucket_view=True` would make the gradients views of the buckets). FSDP all-gathers
 each unit before use: the root unit (embeddings, final norm, output layer) stays gathered from
-the start of forward to the end of backward, its gradients too; a layer unit is gathered with
+the start of forward to the end of backward, its gradients too (FSDP2's choice; the hand-written
+FSDP frees the root after forward as well, so for it this term is an upper bound); a layer unit is gathered with
 the next one prefetched, and in backward its full gradient plus the fp32 reduce-scatter input
 exist until the reduce-scatter. Without the layer wrap policy the one unit is the whole model.
 

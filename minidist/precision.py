@@ -9,8 +9,9 @@ things must *not* be bf16 (Micikevicius et al. 2018, "Mixed Precision Training",
 - **The master weights.** An AdamW update is often smaller than 0.4% of the weight: added to a
   bf16 weight it rounds away and training stalls. So an fp32 copy is what the optimizer updates;
   the bf16 weights are made from it for each forward.
-- **The optimizer states.** Adam's second moment squares gradients: fp32 (bf16 would do, it is
-  the precision that hurts, but 8 bytes of moments are the convention the estimates use).
+- **The optimizer states.** Adam's second moment is a running mean of squared gradients, which
+  spans many orders of magnitude and changes by small fractions each step: kept in fp32 (4 + 4
+  bytes per parameter, the figure every estimate here uses).
 - **The gradient reduction.** Summing N bf16 gradients rounds after every addition; the sum over
   ranks is done in fp32 (`reduce_dtype`), and only then kept (a bf16 reduction, selectable with
   `--reduce_dtype bf16`, halves the bytes on the wire at the price of that rounding).
