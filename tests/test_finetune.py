@@ -11,6 +11,7 @@ import os
 import subprocess
 import tempfile
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +20,14 @@ from transformers import AutoModelForCausalLM
 from minidist import data, finetune
 from minidist.launch import launch
 from reference import train_reference
-from train_workers import run_finetune
+from train_workers import run_finetunes
 
 STEPS, SEQ, LR, SEED = 4, 48, 3e-3, 3
 
 
-def common_args(model, tmp_path, name):
+def common_args(model, out, name):
     return ["--model", model, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR),
-            "--warmup_steps", "2", "--seed", str(SEED), "--eval_prefixes", "0", "--output_dir", str(tmp_path / name)]
+            "--warmup_steps", "2", "--seed", str(SEED), "--eval_prefixes", "0", "--output_dir", str(out / name)]
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,50 @@ SPLITS = [  # (implementation, strategy, world size, batch per device, accumulat
 ]
 
 
-@pytest.mark.parametrize("impl,strategy,world,batch,accum,extra", SPLITS)
-def test_every_split_matches_the_single_process_reference(tiny_model, reference, tmp_path, impl, strategy, world, batch,
-                                                          accum, extra):
-    argv = common_args(tiny_model, tmp_path, "run") + [
+BF16 = [  # (implementation, strategy, extra flags): 2 ranks, 2 sequences per device
+    ("torch", "ddp", []),
+    ("torch", "fsdp", []),
+    # The hand-written DDP under autocast, summing its gradients in bf16: half the bytes on the wire.
+    ("minidist", "ddp", ["--reduce_dtype", "bf16"]),
+]
+
+
+def split_argv(model, out, impl, strategy, world, batch, accum, extra):
+    return common_args(model, out, f"{impl}-{strategy}-{world}x{batch}x{accum}{''.join(extra)}") + [
         "--impl", impl, "--strategy", strategy, "--batch_size_per_device", str(batch),
         "--gradient_accumulation_steps", str(accum)] + extra
-    result = launch(run_finetune, world, argv, timeout_s=300)[0]
+
+
+def bf16_argv(model, out, impl, strategy, extra):
+    return common_args(model, out, f"bf16-{impl}-{strategy}{''.join(extra)}") + [
+        "--impl", impl, "--strategy", strategy, "--batch_size_per_device", "2", "--mixed_precision", "bf16",
+        "--no_save"] + extra
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """Every run of this module, by its argument list. Runs of the same world size share one
+    launch (one after the other in the same ranks), because starting the ranks costs more than a
+    4-step run of the tiny model; each run still starts from its own seed and output folder."""
+    out = tmp_path_factory.mktemp("finetune")
+    by_world = {}
+    for impl, strategy, world, batch, accum, extra in SPLITS:
+        by_world.setdefault(world, []).append(split_argv(tiny_model, out, impl, strategy, world, batch, accum, extra))
+    for impl, strategy, extra in BF16:
+        by_world.setdefault(2, []).append(bf16_argv(tiny_model, out, impl, strategy, extra))
+    results = {}
+    for world, argvs in by_world.items():
+        for argv, result in zip(argvs, launch(run_finetunes, world, argvs, timeout_s=600)[0]):
+            results[tuple(argv)] = result
+    return out, results
+
+
+@pytest.mark.parametrize("impl,strategy,world,batch,accum,extra", SPLITS)
+def test_every_split_matches_the_single_process_reference(tiny_model, reference, runs, impl, strategy, world, batch,
+                                                          accum, extra):
+    out, results = runs
+    argv = split_argv(tiny_model, out, impl, strategy, world, batch, accum, extra)
+    result, run_dir = results[tuple(argv)], Path(argv[argv.index("--output_dir") + 1])
     ref_losses, ref_params = reference
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert result["parameters"].keys() == ref_params.keys()
@@ -71,7 +109,7 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
         torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=name)
 
     # What the run leaves behind: one metrics line per step, and a model from_pretrained can load.
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "lr", "step_time_s", "tokens", "tokens_per_s", "peak_memory_bytes"):
         assert all(r[key] > 0 for r in records), key
@@ -83,30 +121,24 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
     elif strategy != "fsdp":
         for r in records:
             assert 0 <= r["comm_bytes"] - 2 * parameters * (world - 1) / world * 4 < 2 * 4 * world * 8
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     for name, tensor in saved.state_dict().items():
         torch.testing.assert_close(tensor, result["parameters"][name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("impl,strategy,extra", [
-    ("torch", "ddp", []),
-    ("torch", "fsdp", []),
-    # The hand-written DDP under autocast, summing its gradients in bf16: half the bytes on the wire.
-    ("minidist", "ddp", ["--reduce_dtype", "bf16"]),
-])
-def test_bf16_tracks_fp32(tiny_model, reference, tmp_path, impl, strategy, extra):
+@pytest.mark.parametrize("impl,strategy,extra", BF16)
+def test_bf16_tracks_fp32(tiny_model, reference, runs, impl, strategy, extra):
     """bf16 compute keeps 8 bits of mantissa (relative rounding 2**-8 = 0.4%) while the master
     weights, gradients and (unless --reduce_dtype bf16) reductions stay fp32: over a few steps the
     loss stays within 1% of fp32's, and it is not bitwise equal (so bf16 really ran)."""
-    argv = common_args(tiny_model, tmp_path, "bf16") + [
-        "--impl", impl, "--strategy", strategy, "--batch_size_per_device", "2", "--mixed_precision", "bf16",
-        "--no_save"] + extra
-    result = launch(run_finetune, 2, argv, timeout_s=300)[0]
+    out, results = runs
+    argv = bf16_argv(tiny_model, out, impl, strategy, extra)
+    result, run_dir = results[tuple(argv)], Path(argv[argv.index("--output_dir") + 1])
     losses, fp32 = torch.tensor(result["losses"]), torch.tensor(reference[0])
     torch.testing.assert_close(losses, fp32, rtol=1e-2, atol=0)
     assert not torch.equal(losses, fp32)
     if "--reduce_dtype" in extra:  # each of P gradients, all-reduced in 2 bytes: 2P(N-1)/N x 2
-        records = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         parameters = sum(t.numel() for t in reference[1].values())
         assert [r["comm_bytes"] for r in records] == [2 * parameters * (2 - 1) / 2 * 2] * STEPS
 

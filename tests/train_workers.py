@@ -8,6 +8,11 @@ def run_finetune(argv):
     return finetune.train(finetune.parse_args(argv))
 
 
+def run_finetunes(argvs):
+    """Several runs, one after the other, in the same ranks: one start-up for all of them."""
+    return [run_finetune(argv) for argv in argvs]
+
+
 def evaluate_sharded(model_dir, strategy_name, num_prefixes):
     """The legal-move rate of a model wrapped by `strategy_name`, each rank judging its share."""
     from minidist import data, evaluate, models
