@@ -46,8 +46,10 @@ def test_results_come_back_by_rank(world_size, tmp_path):
 
 
 def test_failing_rank_is_reported_fast(tmp_path, monkeypatch):
-    # Guard: if fail-fast did not work, rank 0 would wait this long in its all_reduce.
-    monkeypatch.setenv("MINIDIST_TIMEOUT_S", "60")
+    # Guard: if fail-fast did not work, rank 0 would wait this long in its all_reduce. The bar
+    # below is far under it and well above a normal run, start-up of three ranks included, so a
+    # loaded machine (other jobs on the same 2 cores) does not fail the test.
+    monkeypatch.setenv("MINIDIST_TIMEOUT_S", "300")
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:
         launch(workers.fail_on_rank_1, 3, str(tmp_path))
@@ -56,7 +58,7 @@ def test_failing_rank_is_reported_fast(tmp_path, monkeypatch):
     message = str(info.value)
     assert "rank 1" in message and "boom" in message
     assert "Traceback" in message and "ValueError" in message and "fail_on_rank_1" in message
-    assert elapsed < 30, f"took {elapsed:.1f} s: the other rank was not stopped promptly"
+    assert elapsed < 120, f"took {elapsed:.1f} s: the other rank was not stopped promptly"
     assert len(os.listdir(tmp_path)) == 3
     assert_all_gone(tmp_path)
 

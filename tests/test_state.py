@@ -28,7 +28,7 @@ from minidist.distributed import cleanup, init_distributed
 from minidist.launch import launch
 from minidist.models import load_model, load_tokenizer, write_tiny_llama
 from minidist.strategies import get_strategy
-from train_workers import run_finetune
+from train_workers import run_finetune, run_finetunes
 
 ROOT = Path(__file__).resolve().parents[1]
 # How each strategy's first run ends, and the checkpoint form it writes. Every run saves at
@@ -92,25 +92,35 @@ def interrupt_with_torchrun(argv, log: Path, how: signal.Signals, pause_at: str)
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    """Per strategy, computed once: the uninterrupted run, and the interrupted-then-resumed one."""
+    """Per strategy, computed once: the uninterrupted run, and the interrupted-then-resumed one.
+
+    All the uninterrupted runs share one launch, and so do all the resumed ones (one after the
+    other in the same two ranks): starting the ranks costs more than 8 steps of the tiny model."""
     cache = {}
 
+    def run_all():
+        roots = {case: tmp_path_factory.mktemp("-".join(case)) for case in CASES}
+        references = launch(run_finetunes, 2, [finetune_args(tiny_model, roots[case] / "reference", *case)
+                                               for case in CASES], timeout_s=600)[0]
+        argvs = {}
+        for (impl, strategy), reference in zip(CASES, references):
+            form, how = CASES[(impl, strategy)]
+            root, out = roots[(impl, strategy)], roots[(impl, strategy)] / "out"
+            argvs[(impl, strategy)] = argv = finetune_args(tiny_model, out, impl, strategy, "--checkpoint_format", form,
+                                                           "--save_steps", "4")
+            pause_at = "save:8" if how == signal.SIGKILL else "step:6"
+            first = interrupt_with_torchrun(argv, root / "torchrun.log", how, pause_at)
+            first["latest"] = (out / "latest").read_text().strip()
+            first["folders"] = sorted(p.name for p in out.glob("checkpoint-*"))
+            first["metrics_steps"] = metrics_steps(out)
+            cache[(impl, strategy)] = {"reference": reference, "first": first, "out": out, "form": form}
+        resumed = launch(run_finetunes, 2, [argvs[case] + ["--resume"] for case in CASES], timeout_s=600)[0]
+        for case, result in zip(CASES, resumed):
+            cache[case]["resumed"] = result
+
     def get(impl, strategy):
-        if (impl, strategy) in cache:
-            return cache[(impl, strategy)]
-        form, how = CASES[(impl, strategy)]
-        root = tmp_path_factory.mktemp(f"{impl}-{strategy}")
-        reference_args = finetune_args(tiny_model, root / "reference", impl, strategy)
-        reference = launch(run_finetune, 2, reference_args, timeout_s=300)[0]
-        out = root / "out"
-        argv = finetune_args(tiny_model, out, impl, strategy, "--checkpoint_format", form, "--save_steps", "4")
-        pause_at = "save:8" if how == signal.SIGKILL else "step:6"
-        first = interrupt_with_torchrun(argv, root / "torchrun.log", how, pause_at)
-        first["latest"] = (out / "latest").read_text().strip()
-        first["folders"] = sorted(p.name for p in out.glob("checkpoint-*"))
-        first["metrics_steps"] = metrics_steps(out)
-        resumed = launch(run_finetune, 2, argv + ["--resume"], timeout_s=300)[0]
-        cache[(impl, strategy)] = {"reference": reference, "first": first, "resumed": resumed, "out": out, "form": form}
+        if not cache:
+            run_all()
         return cache[(impl, strategy)]
 
     return get
