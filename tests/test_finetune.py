@@ -143,10 +143,12 @@ def test_bf16_tracks_fp32(tiny_model, reference, runs, impl, strategy, extra):
         assert [r["comm_bytes"] for r in records] == [2 * parameters * (2 - 1) / 2 * 2] * STEPS
 
 
-def run_cli(*argv):
-    # Offline with an empty cache, as on a compute node: a hub name that is not cached must fail fast.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": tempfile.mkdtemp()}
-    return subprocess.run([sys.executable, "-m", "minidist.finetune", *argv], capture_output=True, text=True, timeout=120, env=env)
+def run_here(argv, capsys) -> tuple[int, str]:
+    """Run the training script in this process (no start-up of its own); its exit status and stderr."""
+    capsys.readouterr()  # only what the script writes counts
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv)
+    return stop.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -156,20 +158,30 @@ def run_cli(*argv):
     (["--strategy", "ddp", "--ddp_variant", "naive"], "--ddp_variant only applies to --impl minidist with --strategy ddp"),
     (["--impl", "minidist", "--strategy", "fsdp", "--bucket_cap_mb", "1"], "--bucket_cap_mb only applies to"),
     (["--batch_size_per_device", "0"], "--batch_size_per_device must be at least 1"),
-    (["--model", "some-org/not-cached"], "could not load 'some-org/not-cached'"),
 ])
-def test_bad_input_ends_with_one_line(tiny_model, tmp_path, argv, expected):
-    args = ["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", *argv]
-    done = run_cli(*args)
+def test_bad_input_ends_with_one_line(tiny_model, tmp_path, capsys, argv, expected):
+    status, err = run_here(["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", *argv], capsys)
+    assert status != 0
+    assert expected in err.strip().splitlines()[-1], err
+    assert "Traceback" not in err
+
+
+def test_a_model_that_is_not_cached_fails_fast_offline(tmp_path):
+    # Offline with an empty cache, as on a compute node: a hub name that is not cached must fail
+    # fast. In a process of its own: huggingface_hub reads HF_HUB_OFFLINE when it is imported.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": tempfile.mkdtemp()}
+    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", "some-org/not-cached",
+                           "--output_dir", str(tmp_path), "--eval_prefixes", "0"],
+                          capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert expected in last, done.stderr
+    assert "could not load 'some-org/not-cached'" in done.stderr.strip().splitlines()[-1], done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_a_global_batch_larger_than_the_data_is_refused(tiny_model, tmp_path):
+def test_a_global_batch_larger_than_the_data_is_refused(tiny_model, tmp_path, capsys):
     games = tmp_path / "few.jsonl"
     data.write_games(data.load_games(data.bundled_games("test"))[:3], games)
-    done = run_cli("--model", tiny_model, "--data", str(games), "--eval_prefixes", "0", "--output_dir", str(tmp_path))
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "global_batch_size 8 is larger than" in done.stderr.strip().splitlines()[-1]
+    status, err = run_here(["--model", tiny_model, "--data", str(games), "--eval_prefixes", "0",
+                            "--output_dir", str(tmp_path)], capsys)
+    assert status != 0 and "Traceback" not in err
+    assert "global_batch_size 8 is larger than" in err.strip().splitlines()[-1]
