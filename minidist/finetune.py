@@ -155,6 +155,9 @@ def train(args) -> dict:
     if args.gradient_checkpointing:
         strategy.checkpoint_activations(model)
     model = strategy.wrap(model)
+    # from_pretrained hands back a model in eval mode. Training mode matters: transformers
+    # recomputes layers (--gradient_checkpointing) only in it, and dropout, where a model has any.
+    model.train()
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, args))
     out = Path(args.output_dir)

@@ -36,6 +36,8 @@ STRATEGIES = [  # (impl, strategy, extra flags); minidist/* are the hand-written
 ]
 BF16 = [(impl, name, ["--mixed_precision", "bf16"])
         for impl, name in [("torch", "ddp"), ("torch", "fsdp"), ("minidist", "zero1"), ("minidist", "zero2"), ("minidist", "fsdp")]]
+# --gradient_checkpointing through the loop: transformers' own (torch) and minidist's per-layer wrapper.
+CHECKPOINTED = [(impl, name, ["--gradient_checkpointing"]) for impl, name in [("torch", "fsdp"), ("minidist", "fsdp")]]
 
 
 class CPU:
@@ -53,12 +55,12 @@ def long_games(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_the_loop_measures_what_the_estimate_says(tiny_model, long_games, tmp_path, world_size):
     """One optimizer step per strategy, all in one launch; the loop's metrics.jsonl against the estimate.
-    On 2 ranks bf16 too: autocast (DDP) and FSDP's bf16 all-gather keep the same fp32 model states;
+    On 2 ranks bf16 and checkpointing too: autocast (DDP) and FSDP's bf16 all-gather keep the same fp32 model states;
     the hand-written ZeRO-1/2 hold bf16 weights and gradients, and fp32 masters and moments."""
-    cases = STRATEGIES + (BF16 if world_size == 2 else [])
+    cases = STRATEGIES + (BF16 + CHECKPOINTED if world_size == 2 else [])
     common = ["--model", tiny_model, "--data", long_games, "--max_steps", "1", "--max_seq_length", str(SEQ),
               "--batch_size_per_device", str(BATCH), "--eval_prefixes", "0", "--no_save"]
-    runs = [common + ["--impl", impl, "--strategy", name, "--output_dir", str(tmp_path / f"{impl}-{name}{len(extra)}")] + extra
+    runs = [common + ["--impl", impl, "--strategy", name, "--output_dir", str(tmp_path / "-".join([impl, name, *extra]))] + extra
             for impl, name, extra in cases]
     launch(train_each, world_size, runs, timeout_s=300)
     shape = memory.model_shape(tiny_model)
@@ -68,7 +70,8 @@ def test_the_loop_measures_what_the_estimate_says(tiny_model, long_games, tmp_pa
         assert len(measured["peak"]) == world_size and record["peak_memory_bytes"] == max(measured["peak"])
         setup = memory.Setup(strategy=name, world_size=world_size, batch_size_per_device=BATCH, max_seq_length=SEQ,
                              mixed_precision="bf16" if "bf16" in extra else "fp32",
-                             layer_wrap_policy="--no_layer_wrap_policy" not in extra, impl=impl, padded=False)
+                             layer_wrap_policy="--no_layer_wrap_policy" not in extra, impl=impl, padded=False,
+                             gradient_checkpointing="--gradient_checkpointing" in extra)
         estimate = memory.estimate(shape, setup)
         for term in ("parameters", "gradients", "optimizer_states"):
             # The first rank holds the fullest shards: the estimate is its figure, and the others' bound.
