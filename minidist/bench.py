@@ -1,7 +1,9 @@
-"""Benchmarks: the hand-written strategies against PyTorch's own, in one run, as ratios.
+"""Benchmarks: the hand-written strategies against PyTorch's own as ratios; a collective's bandwidth.
 
-    python -m minidist.bench ddp      # naive DDP, bucketed DDP, torch DDP; 2 CPU ranks
-    python -m minidist.bench fsdp     # FSDP, ZeRO-2 (minidist) and torch FSDP2; 2 CPU ranks
+    python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP; 2 CPU ranks
+    python -m minidist.bench fsdp       # FSDP, ZeRO-2 (minidist) and torch FSDP2; 2 CPU ranks
+    python -m minidist.bench allreduce  # all-reduce time, algbw and busbw per message size; 2 CPU ranks
+    torchrun --nproc_per_node 4 -m minidist.bench allreduce   # the same on 4 GPUs (nccl)
 
 Absolute times depend on the machine and on what else runs on it; a ratio measured in one run,
 on the same model, data and ranks, mostly does not. So every implementation gets its own copy
@@ -12,10 +14,18 @@ alike. A step is forward, backward (with its communication), and the optimizer s
 is the slowest rank's, because the next step cannot start before that rank is done. The
 figure reported is the median step. The hand-written ones also count the bytes each rank sends
 in one step (`comm.counter`, ring collectives); PyTorch's do not go through `comm`.
+
+`allreduce` times one collective alone, as NVIDIA's nccl-tests do (doc/PERFORMANCE.md there):
+the average time t of back-to-back calls on S bytes, the algorithm bandwidth algbw = S/t, and
+the bus bandwidth busbw = algbw x 2(N-1)/N for an all-reduce ((N-1)/N for a reduce-scatter or an
+all-gather, S being the whole array): what each rank's link carried per second under the ring
+algorithm, comparable with the link's peak whatever N is. Started by torchrun or srun it runs in
+their ranks (nccl on GPUs); otherwise it launches `--world_size` CPU ranks itself (gloo).
 """
 
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -161,19 +171,124 @@ def report(what: str, result: dict, args) -> str:
     return "\n".join(lines)
 
 
+# Collective bandwidth -------------------------------------------------------------------------
+# nccl-tests' correction from algorithm to bus bandwidth (doc/PERFORMANCE.md, "Summary").
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n}
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
+    """min_bytes, min_bytes x factor, ... up to max_bytes: nccl-tests' -b, -e and -f."""
+    sizes = [min_bytes]
+    while sizes[-1] * factor <= max_bytes:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def time_collective(op: str, sizes: list[int], warmup: int = 5, iters: int = 20) -> list[dict]:
+    """Run in every rank: for each size S in bytes, the average seconds of one `op` on S bytes of
+    fp32 (the slowest rank's), algbw and busbw in bytes per second, and the bytes this rank sent
+    by `comm.counter`. The calls go through `minidist.comm`, as the strategies' do."""
+    from minidist import comm
+
+    env = get_env()
+    n = env.world_size
+    rows = []
+    for size in sizes:
+        numel = max(n, size // 4 // n * n)  # whole fp32 elements, N equal shards
+        full = torch.zeros(numel, device=env.device)  # zeros: the sums stay finite however often we add
+        shard = torch.zeros(numel // n, device=env.device)
+        run = {"all_reduce": lambda: comm.all_reduce(full),
+               "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+               "all_gather": lambda: comm.all_gather(full, shard)}[op]
+        for _ in range(warmup):  # the first calls set up connections and buffers
+            run()
+        _synchronize(env.device)
+        dist.barrier()
+        comm.counter.reset()
+        start = time.perf_counter()
+        for _ in range(iters):  # back to back: on a GPU they queue on one stream, as in nccl-tests
+            run()
+        _synchronize(env.device)
+        seconds = torch.tensor((time.perf_counter() - start) / iters, device=env.device)  # nccl: on the GPU
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        t, nbytes = seconds.item(), numel * 4
+        rows.append({"bytes": nbytes, "time_s": t, "algbw": nbytes / t, "busbw": nbytes / t * BUS_FACTOR[op](n),
+                     "sent_per_rank": comm.counter.bytes_sent / iters})
+        del full, shard
+    return rows
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_table(op: str, rows: list[dict], world_size: int, device_type: str, backend: str) -> str:
+    """nccl-tests' columns: size, time, algbw, busbw; GB/s are 1e9 bytes per second, as theirs."""
+    lines = [f"{op} on {world_size} x {device_type} ({backend}), fp32, busbw = algbw x "
+             f"{'2(N-1)/N' if op == 'all_reduce' else '(N-1)/N'} = algbw x {BUS_FACTOR[op](world_size):.3f}",
+             f"{'size (B)':>12}{'time (us)':>12}{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}{'sent/rank (B)':>15}"]
+    for r in rows:
+        lines.append(f"{r['bytes']:>12,}{r['time_s'] * 1e6:>12.1f}{r['algbw'] / 1e9:>14.3f}{r['busbw'] / 1e9:>14.3f}"
+                     f"{r['sent_per_rank']:>15,.0f}")
+    top = max(rows, key=lambda r: r["busbw"])
+    lines.append(f"peak busbw {top['busbw'] / 1e9:.2f} GB/s at {top['bytes']:,} bytes")
+    return "\n".join(lines)
+
+
+def _bandwidth_main(args) -> None:
+    sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
+    if "RANK" in os.environ:  # torchrun (or srun through it) started us: we are one of the ranks
+        from minidist.distributed import cleanup, init_distributed
+
+        env = init_distributed()
+        try:
+            rows = time_collective(args.op, sizes, args.warmup, args.iters)
+            if env.is_main:
+                print(bandwidth_table(args.op, rows, env.world_size, env.device.type, env.backend), flush=True)
+        finally:
+            cleanup()
+        return
+    from minidist.bench import time_collective as worker  # by module name: spawned ranks import it
+    from minidist.launch import launch
+
+    rows = launch(worker, args.world_size, args.op, sizes, args.warmup, args.iters)[0]
+    print(bandwidth_table(args.op, rows, args.world_size, "cpu", "gloo"))
+
+
+def _bytes(text: str) -> int:
+    """'1K' -> 1024, '64M' -> 64 x 2**20, '4G' -> 4 x 2**30: nccl-tests' -b/-e suffixes."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minidist.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=tuple(IMPLEMENTATIONS), help="which strategies to compare")
-    parser.add_argument("--world_size", type=int, default=2)
-    parser.add_argument("--hidden_size", type=int, default=384)
-    parser.add_argument("--num_layers", type=int, default=6)
-    parser.add_argument("--batch_size", type=int, default=4, help="sequences per rank per step")
-    parser.add_argument("--seq_len", type=int, default=64)
-    parser.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP and ZeRO buckets")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
-    parser.add_argument("--rounds", type=int, default=4)
+    commands = parser.add_subparsers(dest="what", required=True)
+    for what in IMPLEMENTATIONS:
+        p = commands.add_parser(what, help=f"time the hand-written {what.upper()} against PyTorch's")
+        p.add_argument("--world_size", type=int, default=2)
+        p.add_argument("--hidden_size", type=int, default=384)
+        p.add_argument("--num_layers", type=int, default=6)
+        p.add_argument("--batch_size", type=int, default=4, help="sequences per rank per step")
+        p.add_argument("--seq_len", type=int, default=64)
+        p.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP and ZeRO buckets")
+        p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation")
+        p.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
+        p.add_argument("--rounds", type=int, default=4)
+    p = commands.add_parser("allreduce", help="time one collective per message size: algbw and busbw")
+    p.add_argument("--op", choices=tuple(BUS_FACTOR), default="all_reduce")
+    p.add_argument("--world_size", type=int, default=2, help="CPU ranks to launch (torchrun and srun say their own)")
+    p.add_argument("--min_bytes", type=_bytes, default=_bytes("1K"), help="like nccl-tests -b: 1K, 64M, 1G")
+    p.add_argument("--max_bytes", type=_bytes, default=_bytes("64M"), help="like nccl-tests -e")
+    p.add_argument("--factor", type=int, default=4, help="like nccl-tests -f: each size is the last x factor")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size")
     args = parser.parse_args(argv)
+    if args.what == "allreduce":
+        _bandwidth_main(args)
+        return
     # Import the worker under its module name: launch() starts fresh interpreters that import it.
     from minidist.bench import time_implementations as worker
     from minidist.launch import launch

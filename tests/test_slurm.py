@@ -93,23 +93,35 @@ def test_usr1_saves_a_checkpoint_requeues_and_the_next_start_resumes(tiny_model,
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-3" / "model").config.hidden_size == 64
 
 
-# The lesson scripts (slurm/NN_topic.sh) all hand over to chess_finetune.sh with their own flags,
-# so they take the same environment variables and minidist.finetune arguments; the tiny model and
-# two steps are enough to run their real launch lines. Lines each lesson's log must show:
-LESSON_LOG_LINES = {
-    "04_zero": ["lesson 04: minidist/zero2", "minidist/zero2 on 2 x cpu", "step    2/2"],
-    "05_fsdp": ["lesson 05 (FSDP by hand)", "minidist/fsdp on 2 x cpu", "step    2/2"],
+# The lesson scripts (slurm/NN_topic.sh). Most hand over to chess_finetune.sh with their own
+# flags, so they take its environment variables and minidist.finetune arguments; the tiny model
+# and two steps are enough to run their real launch lines. Per lesson: the lines its log must
+# show, and, where it is not a two-step fine-tune, the arguments and environment it takes here
+# and whether it trains (then metrics.jsonl must hold steps 1 and 2).
+FINETUNE_ARGS = ["--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "0", "--no_save"]
+LESSONS = {
+    "00_memory": {"log": ["lesson 00: the memory estimate for this run", "peak per rank", "fits in 80.00 GB: yes",
+                          "torch/ddp on 2 x cpu", "step    2/2"]},
+    # Not a fine-tune: the all-reduce benchmark over three small message sizes (1, 8 and 64 KiB).
+    "01_collectives": {"args": ["--min_bytes", "1K", "--max_bytes", "64K", "--factor", "8", "--warmup", "1", "--iters", "2"],
+                       "env": {"OPS": "all_reduce"}, "trains": False,
+                       "log": ["lesson 01: collective bandwidth on 1 node(s) x 2 GPUs", "all_reduce on 2 x cpu (gloo)",
+                               "peak busbw"]},
+    "04_zero": {"log": ["lesson 04: minidist/zero2", "minidist/zero2 on 2 x cpu", "step    2/2"]},
+    "05_fsdp": {"log": ["lesson 05 (FSDP by hand)", "minidist/fsdp on 2 x cpu", "step    2/2"]},
 }
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "slurm").glob("[0-9][0-9]_*.sh")), ids=lambda p: p.stem)
 def test_every_lesson_script_runs_through_the_fakes_on_the_tiny_model(tiny_model, tmp_path, script):
-    done, log = sbatch(tmp_path, tiny_model, "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "0",
-                       "--no_save", script=script.name)
+    lesson = LESSONS.get(script.stem, {})
+    done, log = sbatch(tmp_path, tiny_model, *lesson.get("args", FINETUNE_ARGS), script=script.name, **lesson.get("env", {}))
     assert done.returncode == 0, log
     assert "Submitted batch job 42" in done.stdout
-    assert "on 2 x cpu" in log and "Traceback" not in log, log
-    for line in LESSON_LOG_LINES.get(script.stem, []):
+    assert "Traceback" not in log, log
+    for line in lesson.get("log", []):
         assert line in log, f"{script.name}: expected {line!r} in its log:\n{log}"
-    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2]
+    if lesson.get("trains", True):
+        assert "on 2 x cpu" in log, log
+        steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2]

@@ -1,0 +1,81 @@
+#!/bin/bash
+# Lesson 00, where the memory goes: a full fine-tune of CodeLlama-7b on ONE A100-80GB GPU, with
+# the memory estimate for this very run printed first. The run is meant to fail: it shows what
+# does not fit, and the estimate above the error says why.
+#
+#   sbatch slurm/00_memory.sh                                    # PyTorch DDP on 1 GPU, 4 x 512 tokens
+#   STRATEGY=fsdp sbatch slurm/00_memory.sh                      # FSDP on 1 GPU: nothing to shard with
+#   sbatch slurm/00_memory.sh --gradient_checkpointing           # smaller activations, same model states
+#   sbatch --gpus-per-node=4 slurm/00_memory.sh                  # 4 GPUs: DDP still replicates everything
+#   STRATEGY=fsdp sbatch --gpus-per-node=4 slurm/00_memory.sh    # what fits: FSDP on 4 (chess_finetune.sh)
+#
+# Expected outcome (estimated, NOT run: no GPU has run this project yet). From
+#   python -m minidist.memory codellama/CodeLlama-7b-hf --strategy ddp --world_size 1 \
+#       --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB
+# (the same lines are the first of the job's log):
+# - ddp, 1 GPU: model states 107.8 GB (16 bytes x 6.74e9 parameters: fp32 weights 27.0, fp32
+#   gradients 27.0, AdamW's two moments 53.9) + DDP's gradient buckets 27.0 GB; peak about
+#   163.8 GB; "fits in 80.00 GB: no; largest batch per device that fits: none, not even 1".
+#   The job ends with torch.OutOfMemoryError (CUDA out of memory) in the first step, before
+#   any step is logged: weights and buckets (54 GB, allocated when the model is wrapped) + saved
+#   activations (15.3 GB) + autocast's bf16 weight copies (13.2 GB) are 83 GB by the end of the
+#   first forward; backward's 27 GB of gradients and AdamW's 54 GB of moments never get a chance.
+# - STRATEGY=fsdp, 1 GPU: peak about 134.8 GB, out of memory too; --gradient_checkpointing does
+#   not change the 107.8 GB of model states either. Only sharding them over GPUs does: FSDP on 4
+#   GPUs holds 27.0 GB of model states, peak about 43.2 GB (slurm/chess_finetune.sh).
+# Exit status: non-zero (the failure is the lesson). Read the estimate, then the traceback.
+#
+# The launch itself (srun, torchrun, rendezvous, batch sizes, requeue on preemption) is
+# slurm/chess_finetune.sh's, run in this same batch shell (exec); this script only asks for one
+# GPU, prints the estimate and picks the lesson's strategy. Environment variables: as
+# chess_finetune.sh (MODEL, DATA, OUTPUT_DIR, TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, ...), plus
+# STRATEGY (ddp or fsdp). Arguments after the script name go to minidist.finetune and win.
+#
+#SBATCH --job-name=00-memory
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=1
+#SBATCH --cpus-per-task=8
+#SBATCH --mem=0
+#SBATCH --time=00:30:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+
+cd "${SLURM_SUBMIT_DIR:-$PWD}"
+MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
+STRATEGY=${STRATEGY:-ddp}
+export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
+export OUTPUT_DIR=${OUTPUT_DIR:-runs/00-memory-${SLURM_JOB_ID:-local}}
+# As many ranks as chess_finetune.sh will start: the GPUs SLURM gave this node, times the nodes.
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+export GPUS_PER_NODE
+WORLD_SIZE=$((${SLURM_NNODES:-1} * GPUS_PER_NODE))
+
+# The estimate for the run about to start: chess_finetune.sh's sizes (bf16, 512 tokens), then the
+# flags given to this script that the estimator also knows (later ones win, as in argparse).
+ESTIMATE=(--strategy "$STRATEGY" --world_size "$WORLD_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE"
+          --max_seq_length 512 --mixed_precision bf16 --gpu_memory 80GB)
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+        --strategy|--impl|--max_seq_length|--mixed_precision|--batch_size_per_device)
+            ESTIMATE+=("${args[i]}" "${args[i + 1]:-}") ;;
+        --gradient_checkpointing|--no_layer_wrap_policy) ESTIMATE+=("${args[i]}") ;;
+        --no_fsdp) ESTIMATE+=(--strategy ddp) ;;
+    esac
+done
+echo "lesson 00: the memory estimate for this run (python -m minidist.memory $MODEL ${ESTIMATE[*]}):"
+python -m minidist.memory "$MODEL" "${ESTIMATE[@]}"
+echo "lesson 00: now the run itself, torch/$STRATEGY on $WORLD_SIZE GPU(s); on 1 A100-80GB expect CUDA out of memory in the first step"
+
+# sbatch runs a copy of this script from a spool folder: find chess_finetune.sh where the job was
+# submitted (the repository root), else beside this file (a run in place).
+for launcher in "$PWD/slurm/chess_finetune.sh" "$(dirname "${BASH_SOURCE[0]}")/chess_finetune.sh"; do
+    [[ -f $launcher ]] && break
+done
+[[ -f $launcher ]] || { echo "error: slurm/chess_finetune.sh not found: submit from the repository root" >&2; exit 2; }
+# exec: the same process, so SLURM's USR1 reaches chess_finetune.sh's trap directly.
+MODEL=$MODEL exec bash "$launcher" --strategy "$STRATEGY" "$@"
