@@ -24,8 +24,8 @@
 # Compute nodes then load it offline (HF_HUB_OFFLINE=1) from $HF_HOME.
 #
 # Environment variables (all optional): MODEL, DATA, OUTPUT_DIR, TOTAL_BATCH_SIZE,
-# BATCH_SIZE_PER_DEVICE, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS. Arguments after the script name
-# go to minidist.finetune unchanged and override the defaults below.
+# BATCH_SIZE_PER_DEVICE, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS, PET_SHUTDOWN_TIMEOUT. Arguments
+# after the script name go to minidist.finetune unchanged and override the defaults below.
 #
 #SBATCH --job-name=chess-finetune
 #SBATCH --nodes=1
@@ -83,8 +83,10 @@ fi
 # (SIGTERM it would turn into SIGKILL) -> torchrun, which forwards the signals listed in
 # PET_SIGNALS_TO_HANDLE to its workers (torch >= 2.9; an older torchrun dies of USR1, and the
 # next start resumes from the last SAVE_STEPS checkpoint) and gives them PET_SHUTDOWN_TIMEOUT
-# seconds to save and exit before it kills them.
-export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=80
+# seconds to save and exit before it kills them (raise it with a longer `--signal` warning).
+# torchrun then logs a SignalException traceback for USR1: that is its way of saying it was
+# signalled, not an error in the training.
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-80}
 TRAIN_PID= STOP_REQUESTED=0
 trap 'STOP_REQUESTED=1; echo "USR1: the time limit is near; asking the training to save and stop"
       [[ -n $TRAIN_PID ]] && kill -USR1 "$TRAIN_PID" || true' USR1

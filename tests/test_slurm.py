@@ -109,6 +109,13 @@ LESSONS = {
                                "peak busbw"]},
     "04_zero": {"log": ["lesson 04: minidist/zero2", "minidist/zero2 on 2 x cpu", "step    2/2"]},
     "05_fsdp": {"log": ["lesson 05 (FSDP by hand)", "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "06_activation_checkpointing": {"log": ["lesson 06: minidist/fsdp with activation checkpointing",
+                                            "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "07_mixed_precision": {"log": ["lesson 07: minidist/fsdp, compute bf16, gradients reduced in fp32",
+                                   "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "08_checkpoints": {"args": FINETUNE_ARGS + ["--save_steps", "1"], "latest": "checkpoint-2",
+                       "log": ["lesson 08: sharded checkpoints", "torch/fsdp on 2 x cpu", "step    2/2"]},
+    "09_capstone": {"log": ["lesson 09 (capstone): torch/fsdp", "torch/fsdp on 2 x cpu", "step    2/2"]},
 }
 
 
@@ -125,3 +132,5 @@ def test_every_lesson_script_runs_through_the_fakes_on_the_tiny_model(tiny_model
         assert "on 2 x cpu" in log, log
         steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
         assert steps == [1, 2]
+    if "latest" in lesson:  # the checkpoint the next start would resume from
+        assert (tmp_path / "out" / "latest").read_text() == lesson["latest"] + "\n"

@@ -1,0 +1,69 @@
+#!/bin/bash
+# Lesson 08, checkpoints and preemption: CodeLlama-7b fine-tuned on chess with FSDP on one node of
+# 4 A100-80GB GPUs, with a time limit too short for the 200 steps, so that SLURM's warning
+# (USR1, 90 s before the limit) stops the run, the job requeues itself, and the next start
+# resumes from the last checkpoint. The same code as notebooks/08_checkpoints.ipynb, at 7B.
+#
+#   sbatch slurm/08_checkpoints.sh                                  # sharded checkpoints every 20 steps
+#   CHECKPOINT_FORMAT=full sbatch slurm/08_checkpoints.sh           # rank 0 writes one from_pretrained folder
+#   SAVE_STEPS=50 sbatch slurm/08_checkpoints.sh --impl minidist    # FSDP by hand (lesson 05); any finetune flag
+#   scancel --batch --signal=USR1 <jobid>                           # send the warning now: the same path
+#
+# Expected outcome (NOT run: no GPU has run this project yet). Log lines to look for, in order, in
+# 08-checkpoints-<jobid>.out (one log for every start: --open-mode=append):
+#   lesson 08: sharded checkpoints in OUTPUT_DIR, SAVE_STEPS=20, start 1; flags:
+#   job <id> (start 1): 1 node(s) x 4 GPUs, ...
+#   step   20/200 | ...                        checkpoint-20 published, then every SAVE_STEPS
+#   USR1: the time limit is near; asking the training to save and stop
+#   stopped by SIGUSR1 after step K: saved OUTPUT_DIR/checkpoint-K; exiting with status 75 ...
+#   requeueing job <id>; the next start resumes from OUTPUT_DIR/checkpoint-K
+#   lesson 08: ... start 2; ...  and  lesson 08: latest names checkpoint-K
+#   job <id> (start 2): ...
+#   resuming from OUTPUT_DIR/checkpoint-K
+#   resumed from OUTPUT_DIR/checkpoint-K at step K (data epoch E, offset O)  (E, O) = divmod(32 K, 3000 games)
+#   step K+1/200 | ...                         the loss goes on from where it was
+# and OUTPUT_DIR/metrics.jsonl holds each step 1..200 exactly once. The 8-minute limit is chosen
+# short: each start spends a few minutes loading 7B, then ~1.3 s per step (published FSDP speed,
+# see lesson 09) plus the saves, so the 200 steps take 2 or 3 starts. Raise --time for real runs.
+# Estimates (P = 6.74e9, from `python -m minidist.memory codellama/CodeLlama-7b-hf`): a checkpoint
+# holds the fp32 weights and AdamW's two fp32 moments, 12 x P = 80.9 GB. Sharded: each of the 4
+# ranks writes its own 20.2 GB file at once (DCP); full: rank 0 gathers and writes all of it
+# (27.0 GB of model.safetensors + 53.9 GB of optimizer.pt) and first holds it in CPU memory. At
+# 1-2 GB/s per writer that is roughly 10-20 s per save sharded, if the shared file system keeps up
+# with 4 writers, against 40-80 s full. The stop must save and exit within the 90 s warning
+# (torchrun gives the ranks PET_SHUTDOWN_TIMEOUT=80 s): prefer the sharded form here. These
+# figures are arithmetic, not measurements.
+#
+# This script only picks the lesson's defaults; the launch (srun, torchrun, the rendezvous) and the
+# preemption path (the USR1 trap, `scontrol requeue`, --resume when OUTPUT_DIR/latest exists) are
+# slurm/chess_finetune.sh's, run in this same batch shell (exec), so SLURM's USR1 reaches its trap.
+# Environment variables: as chess_finetune.sh, plus CHECKPOINT_FORMAT (sharded or full).
+#
+#SBATCH --job-name=08-checkpoints
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --mem=0
+#SBATCH --time=00:08:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+
+# A job keeps its id when it is requeued, so every start of it finds the same OUTPUT_DIR.
+export OUTPUT_DIR=${OUTPUT_DIR:-runs/08-checkpoints-${SLURM_JOB_ID:-local}}
+export SAVE_STEPS=${SAVE_STEPS:-20}
+CHECKPOINT_FORMAT=${CHECKPOINT_FORMAT:-sharded}
+
+# sbatch runs a copy of this script from a spool folder, so look for its sibling where the job
+# was submitted (the repository root) first, then beside this file (a run in place).
+for launcher in "${SLURM_SUBMIT_DIR:-$PWD}/slurm/chess_finetune.sh" "$(dirname "${BASH_SOURCE[0]}")/chess_finetune.sh"; do
+    [[ -f $launcher ]] && break
+done
+[[ -f $launcher ]] || { echo "error: slurm/chess_finetune.sh not found: submit from the repository root" >&2; exit 2; }
+
+echo "lesson 08: $CHECKPOINT_FORMAT checkpoints in $OUTPUT_DIR, SAVE_STEPS=$SAVE_STEPS, start $((${SLURM_RESTART_COUNT:-0} + 1)); flags: $*"
+[[ -f $OUTPUT_DIR/latest ]] && echo "lesson 08: latest names $(cat "$OUTPUT_DIR/latest")"
+exec bash "$launcher" --checkpoint_format "$CHECKPOINT_FORMAT" --save_total_limit 2 "$@"
