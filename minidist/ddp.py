@@ -174,7 +174,9 @@ class BucketedDDP(NaiveDDP):
             bucket.handle.wait()
             if bucket.sent is not bucket.buffer:
                 bucket.buffer.copy_(bucket.sent)  # back from the reduction's dtype
-            self.timeline.append(("done", b, time.perf_counter()))
+            # When this wait returned: the all-reduce may have finished long before (lesson 02's
+            # notebook times the finish itself through the work's future).
+            self.timeline.append(("waited", b, time.perf_counter()))
             for param, reduced in bucket.views():
                 # The averaged gradient becomes param.grad as a view of the bucket, not a copy
                 # (PyTorch's gradient_as_bucket_view): one pass over the memory less.

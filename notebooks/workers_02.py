@@ -1,0 +1,146 @@
+"""Worker functions for lesson 02 (DDP), launched by `minidist.launch.launch`.
+
+They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
+minidist: `train` runs the real training loop, `minidist.finetune.train`, with the flags a
+learner would type; `backward_timeline` runs the loop's own pieces (`get_strategy`, `wrap`,
+`token_loss_sum`) one step at a time, and only *watches* them: it notes when each gradient is
+ready and when each all-reduce starts and finishes, without changing what is computed or sent.
+"""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist import comm, data, finetune, models
+from minidist.distributed import init_distributed
+from minidist.strategies import get_strategy
+
+
+def _setup_rank() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars, one per rank and run: noise here
+    # N ranks on a laptop share its cores: one thread pool per rank as wide as the machine would
+    # oversubscribe it (4 ranks x 2 threads on 2 cores run several times slower than 4 x 1).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+
+
+@contextlib.contextmanager
+def watch_all_reduces(calls: list):
+    """Note (start, finish, bytes) of every `comm.all_reduce` while inside, in `calls`.
+
+    `minidist.ddp` calls `comm.all_reduce` through the module, so replacing the module's
+    function for a while sees every call. The call itself is unchanged. An asynchronous one
+    returns at once; its finish is when gloo completes it, which the work's future reports
+    (the callback runs in gloo's own thread)."""
+    real = comm.all_reduce
+
+    def noted(tensor, group=None, async_op=False):
+        call = {"start": time.perf_counter(), "finish": None, "bytes": tensor.numel() * tensor.element_size()}
+        calls.append(call)
+        work = real(tensor, group=group, async_op=async_op)
+        if async_op:
+            work.get_future().then(lambda _: call.update(finish=time.perf_counter()))
+        else:
+            call["finish"] = time.perf_counter()
+        return work
+
+    comm.all_reduce = noted
+    try:
+        yield
+    finally:
+        comm.all_reduce = real
+
+
+def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batch: int, seq_len: int,
+                      steps: int) -> dict:
+    """For the naive and the bucketed DDP: time one training step's forward, backward and
+    all-reduces on this rank, and return the last step's events (seconds from forward's start).
+
+    The first steps are warm-up (and the bucketed DDP re-packs its buckets after its first
+    backward, in the order the gradients really came)."""
+    env = init_distributed()
+    _setup_rank()
+    tokenizer = models.load_tokenizer(model_dir)
+    sequences = data.tokenize_games(data.load_games(data_path), tokenizer, seq_len)
+    sampler = data.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
+    out = {}
+    for variant in ("naive", "bucketed"):
+        strategy = get_strategy("ddp", "minidist", env, ddp_variant=variant, bucket_cap_mb=bucket_cap_mb)
+        model = models.load_model(model_dir)
+        ready = {}  # parameter -> when autograd finished its gradient (hooks registered before DDP's run first)
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: ready.__setitem__(name, time.perf_counter()))
+        model = strategy.wrap(model)
+        optimizer = strategy.build_optimizer(model, lr=1e-3)
+        for step in range(steps):
+            ids, = sampler.micro_batches(step, env.rank, env.world_size, batch)
+            micro = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+            num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))
+            calls, ready_before = [], len(getattr(model, "timeline", []))
+            dist.barrier()  # start together, so the picture shows this rank's work, not a late peer
+            with watch_all_reduces(calls):
+                t0 = time.perf_counter()
+                loss = finetune.token_loss_sum(model, micro, strategy) * env.world_size / num_targets
+                t1 = time.perf_counter()
+                loss.backward()  # the DDP hooks run inside: launches, and the wait for every bucket
+                t2 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        rel = lambda t: t - t0  # noqa: E731
+        out[variant] = {
+            "forward": (0.0, rel(t1)),
+            "backward": (rel(t1), rel(t2)),
+            "last_gradient": rel(max(ready.values())),  # after this, backward only waits for the network
+            "all_reduces": [(rel(c["start"]), rel(c["finish"]), c["bytes"]) for c in calls],
+            "timeline": [(e, b, rel(t)) for e, b, t in getattr(model, "timeline", [])[ready_before:]],
+            "buckets": [sum(p.numel() * p.element_size() for p in b.params) for b in getattr(model, "buckets", [])],
+            "num_params": len(model.params),
+        }
+    return out
+
+
+def train(model_dir: str, data_path: str, steps: int, seq_len: int, total_batch: int, variant: str = "bucketed",
+          lr: float = 3e-3) -> dict:
+    """Train with the hand-written DDP, the global batch fixed at `total_batch` sequences split
+    evenly over the ranks (`--batch_size_per_device total_batch / world_size`); return rank 0's
+    records of every step, the loop's log, and (rank 0) the trained weights.
+
+    Works in a world of one too: called in the notebook's own process, `init_distributed`
+    makes it a process group of one rank, exactly like `python -m minidist.finetune`."""
+    env = init_distributed()
+    _setup_rank()
+    with tempfile.TemporaryDirectory() as out:
+        shared = [out]  # every rank needs the same folder name for the log: rank 0 picks it
+        dist.broadcast_object_list(shared, src=0)
+        args = finetune.parse_args([
+            "--model", model_dir, "--data", data_path, "--impl", "minidist", "--strategy", "ddp",
+            "--ddp_variant", variant, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
+            "--batch_size_per_device", str(total_batch // env.world_size), "--learning_rate", str(lr),
+            "--warmup_steps", "1", "--eval_prefixes", "0", "--output_dir", shared[0],
+        ])
+        printed = io.StringIO()  # the loop's log lines, returned so the notebook shows one run's
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+            results = finetune.train(args)  # without --no_save: returns the full weights on rank 0
+        dist.barrier()  # rank 0 has written and closed metrics.jsonl
+        log = Path(shared[0]) / "metrics.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()] if env.is_main else []
+        dist.barrier()  # nobody deletes the folder before rank 0 has read it
+    return {"world_size": env.world_size, "records": records, "log": printed.getvalue(),
+            "parameters": results["parameters"]}
+
+
+def lesson(model_dir: str, data_path: str, timeline: dict | None, training: dict) -> dict:
+    """One launch does both parts of the notebook (each launch costs seconds of start-up):
+    the timeline (if asked) and the training run on this world size."""
+    out = {"timeline": backward_timeline(model_dir, data_path, **timeline) if timeline else None}
+    out["training"] = train(model_dir, data_path, **training)
+    return out

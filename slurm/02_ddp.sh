@@ -1,0 +1,55 @@
+#!/bin/bash
+# Lesson 02: data parallelism by hand (minidist/ddp.py) on CodeLlama-7b, on one node of 4
+# A100-80GB GPUs. The run that shows why DDP is not enough for a 7B model.
+#
+#   sbatch slurm/02_ddp.sh                                  # bucketed DDP (25 MB buckets, overlap)
+#   DDP_VARIANT=naive sbatch slurm/02_ddp.sh                # all-reduce after backward, one per tensor
+#   sbatch slurm/02_ddp.sh --bucket_cap_mb 100              # any minidist.finetune flag, passed on
+#   MODEL=/path/to/a/smaller/model sbatch slurm/02_ddp.sh   # a model that fits (see below)
+#
+# Expected outcome (estimates: this project has not run this script on GPUs yet; from
+# `python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy ddp
+# --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB`):
+#   The model loads and wraps: every GPU holds the fp32 weights (27.0 GB) and, for the bucketed
+#   DDP, the gradient buckets (27.0 GB). Then CUDA runs out of memory in the first step, on every
+#   rank: the fp32 gradients (27.0 GB), AdamW's two moments (53.9 GB), autocast's bf16 weight
+#   copies (13.2 GB) and the activations (15.3 GB at 4 x 512 tokens) add up to a peak of about
+#   163.8 GB per GPU. Model states alone are 16 bytes x 6.74e9 parameters = 107.8 GB > 80 GB, on
+#   any number of GPUs: DDP replicates them. The naive variant has no buckets, and still needs
+#   107.8 GB. Lesson 04 (ZeRO) and lesson 05 (FSDP) shard what DDP replicates, and fit.
+#   With a model that fits (at its peak DDP needs about 24 bytes per parameter, 16 of model
+#   states, 4 of buckets, 4 of AdamW's step temporary, plus the activations: check with
+#   `python -m minidist.memory MODEL --impl minidist --strategy ddp ...`),
+#   each step sends 2P(N-1)/N x 4 bytes per GPU (fp32 gradients; `comm_bytes` in
+#   OUTPUT_DIR/metrics.jsonl), and the loss curve matches FSDP's on the same model.
+#
+# This script only picks the lesson's defaults; the launch (srun, torchrun, the rendezvous, the
+# accumulation that keeps TOTAL_BATCH_SIZE fixed, requeue on preemption) is
+# slurm/chess_finetune.sh's, run in this same batch shell (exec), so SLURM's USR1 warning still
+# reaches its trap. Environment variables: as chess_finetune.sh, plus DDP_VARIANT (bucketed or naive).
+#
+#SBATCH --job-name=02-ddp
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --mem=0
+#SBATCH --time=00:30:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+
+export OUTPUT_DIR=${OUTPUT_DIR:-runs/02-ddp-${SLURM_JOB_ID:-local}}
+DDP_VARIANT=${DDP_VARIANT:-bucketed}
+
+# sbatch runs a copy of this script from a spool folder, so look for its sibling where the job
+# was submitted (the repository root) first, then beside this file (a run in place).
+for launcher in "${SLURM_SUBMIT_DIR:-$PWD}/slurm/chess_finetune.sh" "$(dirname "${BASH_SOURCE[0]}")/chess_finetune.sh"; do
+    [[ -f $launcher ]] && break
+done
+[[ -f $launcher ]] || { echo "error: slurm/chess_finetune.sh not found: submit from the repository root" >&2; exit 2; }
+
+echo "lesson 02: minidist/ddp ($DDP_VARIANT), bf16: 16 bytes per parameter on every GPU"
+exec bash "$launcher" --impl minidist --strategy ddp --ddp_variant "$DDP_VARIANT" "$@"

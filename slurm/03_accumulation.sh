@@ -1,0 +1,61 @@
+#!/bin/bash
+# Lesson 03: gradient accumulation on CodeLlama-7b, one node of 4 A100-80GB GPUs. The global
+# batch stays at TOTAL_BATCH_SIZE=32 sequences of 512 tokens; each job picks how many sequences a
+# GPU computes at once, and accumulates the rest. One job per batch size, the sweep:
+#
+#   for b in 1 2 4 8; do BATCH_SIZE_PER_DEVICE=$b sbatch slurm/03_accumulation.sh; done
+#   BATCH_SIZE_PER_DEVICE=4 sbatch slurm/03_accumulation.sh --impl torch   # PyTorch's FSDP2 instead
+#
+# Each job runs the hand-written FSDP (minidist/fsdp.py; a 7B model does not fit with DDP, see
+# lesson 02) in bf16 for 30 steps, with no evaluation, and logs per step in
+# OUTPUT_DIR=runs/03-accumulation-b<B>-<job id>/metrics.jsonl: `loss`, `step_time_s`,
+# `tokens_per_s`, `mfu`, `peak_memory_bytes`, `comm_bytes`. Compare the four jobs' files.
+#
+# Expected outcome (estimates: this project has not run this script on GPUs yet). Peaks from
+# `python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy fsdp
+# --world_size 4 --mixed_precision bf16 --max_seq_length 512 --gpu_memory 80GB
+# --batch_size_per_device B`; bytes from fsdp.py's docstring, (2k + 1)P(N-1)/N elements for k
+# micro-batches, weights gathered in bf16 (2 bytes) and gradients reduce-scattered in fp32 (4):
+#   B  accumulation  estimated peak per GPU  sent per GPU per step
+#   1  8             33.7 GB (+ up to 13.5)   181.9 GB
+#   2  4             36.6 GB (+ up to 13.5)   101.1 GB
+#   4  2             43.2 GB (+ up to 13.5)    60.6 GB
+#   8  1             56.3 GB                   40.4 GB
+# Every size fits in 80 GB (the estimate's largest batch per GPU is 15; B=16 would not divide
+# 32 over 4 GPUs anyway, and the script refuses it). "+ up to 13.5": inside no_sync() FSDP keeps
+# each unit's full bf16 gradient until the last micro-batch (2 bytes x 6.74e9), which
+# minidist.memory does not count. The loss curves of the four jobs should coincide up to bf16
+# rounding (the same global batches, normalised by their token count). Time per step should fall
+# and tokens/s rise with B: fewer, larger micro-batches, and with FSDP fewer all-gathers.
+#
+# This script only picks the lesson's defaults; the launch (srun, torchrun, the rendezvous, the
+# accumulation steps computed from TOTAL_BATCH_SIZE, requeue on preemption) is
+# slurm/chess_finetune.sh's, run in this same batch shell (exec), so SLURM's USR1 warning still
+# reaches its trap. Environment variables: as chess_finetune.sh.
+#
+#SBATCH --job-name=03-accumulation
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --mem=0
+#SBATCH --time=01:00:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+
+export TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
+export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
+export OUTPUT_DIR=${OUTPUT_DIR:-runs/03-accumulation-b${BATCH_SIZE_PER_DEVICE}-${SLURM_JOB_ID:-local}}
+
+# sbatch runs a copy of this script from a spool folder, so look for its sibling where the job
+# was submitted (the repository root) first, then beside this file (a run in place).
+for launcher in "${SLURM_SUBMIT_DIR:-$PWD}/slurm/chess_finetune.sh" "$(dirname "${BASH_SOURCE[0]}")/chess_finetune.sh"; do
+    [[ -f $launcher ]] && break
+done
+[[ -f $launcher ]] || { echo "error: slurm/chess_finetune.sh not found: submit from the repository root" >&2; exit 2; }
+
+echo "lesson 03: total batch $TOTAL_BATCH_SIZE, $BATCH_SIZE_PER_DEVICE per device, the rest accumulated"
+exec bash "$launcher" --impl minidist --strategy fsdp --max_steps 30 --eval_prefixes 0 --no_save "$@"
