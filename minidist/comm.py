@@ -25,8 +25,11 @@ per rank for P fp32 gradients, whether N is 2 or 1,000.
 
 The wrappers below call ``torch.distributed`` (which picks its own algorithm) and count the bytes
 the ring would send, into a per-process ``counter`` that the training loop reads once per step
-(``comm_bytes`` in metrics.jsonl). ``ring_all_reduce`` then does the same all-reduce by hand
-with point-to-point ``send``/``recv``, to show there is no magic in the library call.
+(``comm_bytes`` in metrics.jsonl): the algorithm's cost, not a measurement of the wire. A library
+may send more: on CPU, gloo's reduce-scatter sends 2(N-1)/N x S, as much as its all-reduce
+(lesson 01 measures it), so there ZeRO's and FSDP's real traffic exceeds ``comm_bytes``.
+``ring_all_reduce`` then does the same all-reduce by hand with point-to-point ``send``/``recv``,
+to show there is no magic in the library call.
 """
 
 import torch
