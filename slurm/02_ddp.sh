@@ -17,8 +17,9 @@
 #   163.8 GB per GPU. Model states alone are 16 bytes x 6.74e9 parameters = 107.8 GB > 80 GB, on
 #   any number of GPUs: DDP replicates them. The naive variant has no buckets, and still needs
 #   107.8 GB. Lesson 04 (ZeRO) and lesson 05 (FSDP) shard what DDP replicates, and fit.
-#   With a model that fits (at its peak DDP needs about 24 bytes per parameter, 16 of model
-#   states, 4 of buckets, 4 of AdamW's step temporary, plus the activations: check with
+#   With a model that fits (DDP holds 20 bytes per parameter throughout, 16 of model states and
+#   4 of buckets, plus the larger of AdamW's step temporary, 4 bytes per parameter, and the
+#   forward's activations with autocast's bf16 weight copies, 2 bytes per parameter: check with
 #   `python -m minidist.memory MODEL --impl minidist --strategy ddp ...`),
 #   each step sends 2P(N-1)/N x 4 bytes per GPU (fp32 gradients; `comm_bytes` in
 #   OUTPUT_DIR/metrics.jsonl), and the loss curve matches FSDP's on the same model.

@@ -35,7 +35,7 @@
 #
 # Why TOTAL_BATCH_SIZE 512: 128 sequences x 4 GPUs in one micro-batch, no accumulation; the
 # stored run at 8 per GPU reaches the same 512 with 16 micro-batches, so the two compare
-# step for step. 50 steps are ~26M tokens: enough to read the step time and the memory.
+# step for step. 50 steps are at most ~13M tokens (50 x 512 sequences x 512 tokens): enough to read the step time and the memory.
 #
 # This script only picks the lesson's defaults; the launch (srun, torchrun, the rendezvous,
 # requeue on preemption) is slurm/chess_finetune.sh's, run in this same batch shell (exec), so

@@ -23,7 +23,7 @@
 #   resumed from OUTPUT_DIR/checkpoint-K at step K (data epoch E, offset O)  (E, O) = divmod(32 K, 3000 games)
 #   step K+1/200 | ...                         the loss goes on from where it was
 # and OUTPUT_DIR/metrics.jsonl holds each step 1..200 exactly once. The 8-minute limit is chosen
-# short: each start spends a few minutes loading 7B, then ~1.3 s per step (published FSDP speed,
+# short: each start spends a few minutes loading 7B, then ~1.3 s per step (an estimate from the published FSDP speed,
 # see lesson 09) plus the saves, so the 200 steps take 2 or 3 starts. Raise --time for real runs.
 # Estimates (P = 6.74e9, from `python -m minidist.memory codellama/CodeLlama-7b-hf`): a checkpoint
 # holds the fp32 weights and AdamW's two fp32 moments, 12 x P = 80.9 GB. Sharded: each of the 4

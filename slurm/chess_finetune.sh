@@ -49,9 +49,11 @@ OUTPUT_DIR=${OUTPUT_DIR:-runs/chess-${SLURM_JOB_ID:-local}}
 TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # A sharded 7B checkpoint with AdamW holds ~81 GB (12 bytes per parameter: fp32 weights and two
-# moments): about a minute at 1-2 GB/s. 100 steps are about 2 minutes at the published ~1.3 s per
-# step (32 x 512 tokens, 4 A100s), so saves cost roughly a third more time; raise SAVE_STEPS for
-# long runs. Two checkpoints are kept. (Estimates: no 7B run of this project has been timed yet.)
+# moments): 10-20 s if each of the 4 ranks writes its ~20 GB at 1-2 GB/s, 40-80 s if the file
+# system gives 1-2 GB/s in all. 100 steps are about 2 minutes at ~1.3 s per step (32 x 512 tokens
+# on 4 A100s, derived from the published ~3,700 tokens/s per GPU of lesson 09), so saves add a
+# tenth to a half; raise SAVE_STEPS for long runs. Two checkpoints are kept. (Estimates: no 7B
+# run of this project has been timed yet.)
 SAVE_STEPS=${SAVE_STEPS:-100}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
 NNODES=${SLURM_NNODES:-1}
