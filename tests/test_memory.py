@@ -55,8 +55,9 @@ def long_games(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_the_loop_measures_what_the_estimate_says(tiny_model, long_games, tmp_path, world_size):
     """One optimizer step per strategy, all in one launch; the loop's metrics.jsonl against the estimate.
-    On 2 ranks bf16 and checkpointing too: autocast (DDP) and FSDP's bf16 all-gather keep the same fp32 model states;
-    the hand-written ZeRO-1/2 hold bf16 weights and gradients, and fp32 masters and moments."""
+    On 2 ranks bf16 and checkpointing too: autocast (DDP) and FSDP's bf16 all-gather keep the same
+    fp32 model states; the hand-written ZeRO-1/2 hold bf16 weights and gradients, and fp32 masters
+    and moments; checkpointing keeps each layer's input only."""
     cases = STRATEGIES + (BF16 + CHECKPOINTED if world_size == 2 else [])
     common = ["--model", tiny_model, "--data", long_games, "--max_steps", "1", "--max_seq_length", str(SEQ),
               "--batch_size_per_device", str(BATCH), "--eval_prefixes", "0", "--no_save"]
