@@ -9,28 +9,22 @@ ready and when each all-reduce starts and finishes, without changing what is com
 """
 
 import contextlib
-import io
-import json
-import os
-import tempfile
 import time
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from minidist import comm, data, finetune, models
 from minidist.distributed import init_distributed
 from minidist.strategies import get_strategy
 
+import training
+
 
 def _setup_rank() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars, one per rank and run: noise here
-    # N ranks on a laptop share its cores: one thread pool per rank as wide as the machine would
-    # oversubscribe it (4 ranks x 2 threads on 2 cores run several times slower than 4 x 1).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    training.share_cores()
 
 
 @contextlib.contextmanager
@@ -118,24 +112,14 @@ def train(model_dir: str, data_path: str, steps: int, seq_len: int, total_batch:
     makes it a process group of one rank, exactly like `python -m minidist.finetune`."""
     env = init_distributed()
     _setup_rank()
-    with tempfile.TemporaryDirectory() as out:
-        shared = [out]  # every rank needs the same folder name for the log: rank 0 picks it
-        dist.broadcast_object_list(shared, src=0)
-        args = finetune.parse_args([
-            "--model", model_dir, "--data", data_path, "--impl", "minidist", "--strategy", "ddp",
-            "--ddp_variant", variant, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
-            "--batch_size_per_device", str(total_batch // env.world_size), "--learning_rate", str(lr),
-            "--warmup_steps", "1", "--eval_prefixes", "0", "--output_dir", shared[0],
-        ])
-        printed = io.StringIO()  # the loop's log lines, returned so the notebook shows one run's
-        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-            results = finetune.train(args)  # without --no_save: returns the full weights on rank 0
-        dist.barrier()  # rank 0 has written and closed metrics.jsonl
-        log = Path(shared[0]) / "metrics.jsonl"
-        records = [json.loads(line) for line in log.read_text().splitlines()] if env.is_main else []
-        dist.barrier()  # nobody deletes the folder before rank 0 has read it
-    return {"world_size": env.world_size, "records": records, "log": printed.getvalue(),
-            "parameters": results["parameters"]}
+    done = training.run([  # without --no_save: the full weights come back on rank 0
+        "--model", model_dir, "--data", data_path, "--impl", "minidist", "--strategy", "ddp",
+        "--ddp_variant", variant, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
+        "--batch_size_per_device", str(total_batch // env.world_size), "--learning_rate", str(lr),
+        "--warmup_steps", "1", "--eval_prefixes", "0",
+    ])
+    return {"world_size": env.world_size, "records": done["records"], "log": done["log"],
+            "parameters": done["result"]["parameters"]}
 
 
 def lesson(model_dir: str, data_path: str, timeline: dict | None, training: dict) -> dict:

@@ -9,39 +9,24 @@ the strategy's `no_sync` for a context that does nothing, for that run only, and
 """
 
 import contextlib
-import io
-import json
-import os
-import tempfile
-from pathlib import Path
 from unittest import mock
 
-import torch
 import torch.distributed as dist
 
-from minidist import finetune, strategies
-from minidist.distributed import get_env
+from minidist import strategies
+
+import training
 
 
 def _run(model_dir, data_path, steps, seq_len, batch, accumulation, lr):
     """One `finetune.train` on these ranks; rank 0 returns its metrics.jsonl records and weights."""
-    with tempfile.TemporaryDirectory() as out:
-        shared = [out]  # every rank needs the same folder name for the log: rank 0 picks it
-        dist.broadcast_object_list(shared, src=0)
-        args = finetune.parse_args([
-            "--model", model_dir, "--data", data_path, "--impl", "minidist", "--strategy", "ddp",
-            "--max_steps", str(steps), "--max_seq_length", str(seq_len), "--batch_size_per_device", str(batch),
-            "--gradient_accumulation_steps", str(accumulation), "--learning_rate", str(lr),
-            "--warmup_steps", "1", "--eval_prefixes", "0", "--output_dir", shared[0],
-        ])
-        printed = io.StringIO()  # the loop's log lines, returned so the notebook can show one run's
-        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-            results = finetune.train(args)  # without --no_save: the full weights come back on rank 0
-        dist.barrier()  # rank 0 has written and closed metrics.jsonl
-        log = Path(shared[0]) / "metrics.jsonl"
-        records = [json.loads(line) for line in log.read_text().splitlines()] if get_env().is_main else []
-        dist.barrier()  # nobody deletes the folder before rank 0 has read it
-    return records, results["parameters"], printed.getvalue()
+    done = training.run([  # without --no_save: the full weights come back on rank 0
+        "--model", model_dir, "--data", data_path, "--impl", "minidist", "--strategy", "ddp",
+        "--max_steps", str(steps), "--max_seq_length", str(seq_len), "--batch_size_per_device", str(batch),
+        "--gradient_accumulation_steps", str(accumulation), "--learning_rate", str(lr),
+        "--warmup_steps", "1", "--eval_prefixes", "0",
+    ])
+    return done["records"], done["result"]["parameters"], done["log"]
 
 
 def splits(model_dir: str, data_path: str, total_batch: int, batch_sizes: list[int], steps: int, seq_len: int,
@@ -60,7 +45,7 @@ def splits(model_dir: str, data_path: str, total_batch: int, batch_sizes: list[i
     takes turns: on a laptop other programs come and go, and a slow minute should not fall on
     one batch size only. `timings` collects (seconds, tokens) of every step but each run's first
     (which pays for warm-up) over all rounds; the records and weights are the first round's."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    training.share_cores()
     n = dist.get_world_size()
     plan = [(b, True) for b in batch_sizes] + [(b, False) for b in without_no_sync]
     out, first = [], None

@@ -12,18 +12,11 @@ One launch runs every configuration one after the other in the same ranks: start
 importing transformers costs more on 2 cores than a few steps of a tiny model.
 """
 
-import contextlib
-import io
-import json
-import os
-import tempfile
 import time
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 from minidist import finetune
+
+import training
 
 
 def _cpu_timed(train_step, seconds: list):
@@ -39,17 +32,6 @@ def _cpu_timed(train_step, seconds: list):
     return timed
 
 
-def as_flags(run: dict) -> list[str]:
-    """{"strategy": "fsdp", "gradient_checkpointing": True} -> ["--strategy", "fsdp", "--gradient_checkpointing"]."""
-    argv = []
-    for name, value in run.items():
-        if value is True:
-            argv.append(f"--{name}")
-        elif value not in (False, None):
-            argv += [f"--{name}", str(value)]
-    return argv
-
-
 def train_and_measure(model_dir: str, data: str, runs: list[dict], steps: int, seq_len: int) -> list[dict]:
     """Train once per entry of `runs` (finetune flags as a dict), one after the other in the same
     ranks; return, per run, the flags, the records of `metrics.jsonl` (on rank 0; [] elsewhere) and
@@ -57,29 +39,16 @@ def train_and_measure(model_dir: str, data: str, runs: list[dict], steps: int, s
 
     Every run starts from the same weights and, for a given batch size, sees the same batches (the
     data order depends on the seed alone), so with and without checkpointing the losses must agree."""
-    # N ranks on a laptop share its cores: one thread pool per rank as wide as the machine would
-    # oversubscribe it, and the step times would measure the contention, not the recomputation.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    training.share_cores()  # else the step times would measure the contention, not the recomputation
+    common = ["--model", model_dir, "--data", data, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
+              "--warmup_steps", "1", "--eval_prefixes", "0", "--no_save"]
     results = []
     for run in runs:
-        with tempfile.TemporaryDirectory() as out:
-            shared = [out]  # every rank needs the same folder name: rank 0 picks it, the others follow
-            dist.broadcast_object_list(shared, src=0)
-            args = finetune.parse_args([
-                "--model", model_dir, "--data", data, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
-                "--warmup_steps", "1", "--eval_prefixes", "0", "--no_save", "--output_dir", shared[0], *as_flags(run),
-            ])
-            printed = io.StringIO()  # the loop's log lines: returned, so the notebook can show one run's
-            cpu_s, train_step = [], finetune.train_step
-            finetune.train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
-            try:
-                with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-                    finetune.train(args)
-            finally:
-                finetune.train_step = train_step
-            dist.barrier()  # rank 0 has written and closed metrics.jsonl
-            log = Path(shared[0]) / "metrics.jsonl"
-            records = [json.loads(line) for line in log.read_text().splitlines()] if dist.get_rank() == 0 else []
-            dist.barrier()  # nobody deletes the folder before rank 0 has read it
-        results.append({"run": run, "records": records, "cpu_s": cpu_s, "log": printed.getvalue()})
+        cpu_s, train_step = [], finetune.train_step
+        finetune.train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
+        try:
+            done = training.run([*common, *training.as_flags(run)])
+        finally:
+            finetune.train_step = train_step
+        results.append({"run": run, "records": done["records"], "cpu_s": cpu_s, "log": done["log"]})
     return results

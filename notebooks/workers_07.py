@@ -12,28 +12,7 @@ One launch runs every configuration one after the other in the same ranks: start
 importing transformers costs more on 2 cores than a few steps of a tiny model.
 """
 
-import contextlib
-import io
-import json
-import os
-import tempfile
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
-from minidist import finetune
-
-
-def as_flags(run: dict) -> list[str]:
-    """{"strategy": "fsdp", "mixed_precision": "bf16"} -> ["--strategy", "fsdp", "--mixed_precision", "bf16"]."""
-    argv = []
-    for name, value in run.items():
-        if value is True:
-            argv.append(f"--{name}")
-        elif value not in (False, None):
-            argv += [f"--{name}", str(value)]
-    return argv
+import training
 
 
 def train_and_measure(model_dir: str, data: str, runs: list[dict], steps: int, seq_len: int) -> list[dict]:
@@ -42,24 +21,11 @@ def train_and_measure(model_dir: str, data: str, runs: list[dict], steps: int, s
 
     Every run starts from the same weights and sees the same batches (the data order depends on the
     seed alone), so the loss curves of fp32 and bf16 differ only by how each one rounds."""
-    # N ranks on a laptop share its cores: one thread pool per rank as wide as the machine would
-    # oversubscribe it (2 ranks x 2 threads on 2 cores run slower than 2 x 1).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    training.share_cores()
+    common = ["--model", model_dir, "--data", data, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
+              "--warmup_steps", "1", "--eval_prefixes", "0", "--no_save"]
     results = []
     for run in runs:
-        with tempfile.TemporaryDirectory() as out:
-            shared = [out]  # every rank needs the same folder name: rank 0 picks it, the others follow
-            dist.broadcast_object_list(shared, src=0)
-            args = finetune.parse_args([
-                "--model", model_dir, "--data", data, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
-                "--warmup_steps", "1", "--eval_prefixes", "0", "--no_save", "--output_dir", shared[0], *as_flags(run),
-            ])
-            printed = io.StringIO()  # the loop's log lines: returned, so the notebook can show one run's
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-                finetune.train(args)
-            dist.barrier()  # rank 0 has written and closed metrics.jsonl
-            log = Path(shared[0]) / "metrics.jsonl"
-            records = [json.loads(line) for line in log.read_text().splitlines()] if dist.get_rank() == 0 else []
-            dist.barrier()  # nobody deletes the folder before rank 0 has read it
-        results.append({"run": run, "records": records, "log": printed.getvalue()})
+        done = training.run([*common, *training.as_flags(run)])
+        results.append({"run": run, "records": done["records"], "log": done["log"]})
     return results

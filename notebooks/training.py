@@ -1,0 +1,59 @@
+"""One run of the training script inside ranks that `minidist.launch` started.
+
+Every lesson's workers (workers_NN.py) run the real training script, `minidist.finetune.train`,
+with the flags a learner would type. `run` here is the plumbing around that call, written once:
+an output folder all ranks agree on, the loop's log kept instead of printed by every rank, and
+the records of metrics.jsonl read back on rank 0, before the folder is deleted.
+"""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist import finetune
+
+
+def share_cores() -> None:
+    """N ranks on a laptop share its cores: one thread pool per rank as wide as the machine would
+    oversubscribe it (2 ranks x 2 threads on 2 cores run slower than 2 x 1), and step times would
+    measure the contention."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+
+
+def as_flags(run: dict) -> list[str]:
+    """{"strategy": "fsdp", "gradient_checkpointing": True} -> ["--strategy", "fsdp", "--gradient_checkpointing"]."""
+    argv = []
+    for name, value in run.items():
+        if value is True:
+            argv.append(f"--{name}")
+        elif value not in (False, None):
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+def run(argv: list[str]) -> dict:
+    """`finetune.train` with ARGV and a fresh `--output_dir`, on every rank. Returns what it
+    returned (`result`: losses, and the full weights on rank 0 unless `--no_save`), the records of
+    its metrics.jsonl (`records`, on rank 0; [] on the others), the lines it printed on this rank
+    (`log`) and its wall time (`seconds`: loading, evaluations and steps)."""
+    with tempfile.TemporaryDirectory() as out:
+        shared = [out]  # every rank needs the same folder name: rank 0 picks it, the others follow
+        dist.broadcast_object_list(shared, src=0)
+        args = finetune.parse_args([*argv, "--output_dir", shared[0]])
+        printed = io.StringIO()  # returned, so the notebook shows one run's log, not every rank's
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+            result = finetune.train(args)
+        seconds = time.perf_counter() - started
+        dist.barrier()  # rank 0 has written and closed metrics.jsonl
+        log = Path(shared[0]) / "metrics.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines()] if dist.get_rank() == 0 else []
+        dist.barrier()  # nobody deletes the folder before rank 0 has read it
+    return {"result": result, "records": records, "log": printed.getvalue(), "seconds": seconds}
