@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minidist.distributed import get_env
+from minidist.distributed import device_mesh, get_env
 
 # What each comparison is a ratio to, and its goals: (label, numerator, denominator, kind, bound).
 REFERENCE = {"ddp": "DistributedDataParallel (torch)", "fsdp": "fully_shard FSDP2 (torch)"}
@@ -79,7 +79,6 @@ def _ddp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
 def _fsdp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
     """minidist FSDP (one unit per decoder layer and the root), minidist ZeRO-2, and PyTorch's
     FSDP2 (`fully_shard` on every decoder layer, then on the root), each on its own copy of `base`."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from minidist.fsdp import FullyShardedDataParallel
@@ -89,7 +88,7 @@ def _fsdp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
     fsdp = FullyShardedDataParallel(copy.deepcopy(base), unit_classes={layer}, device=get_env().device)
     zero2 = ZeroDP(copy.deepcopy(base), stage=2, bucket_cap_mb=bucket_cap_mb)
     torch_fsdp = copy.deepcopy(base)
-    mesh = init_device_mesh(get_env().device.type, (get_env().world_size,))
+    mesh = device_mesh()
     for module in torch_fsdp.modules():
         if type(module).__name__ == layer:
             fully_shard(module, mesh=mesh)

@@ -30,10 +30,37 @@ Why a timeout: a collective such as ``all_reduce`` returns only when *every* ran
 it. If one rank crashes or takes another branch, the others wait. Without a timeout they wait
 forever and burn a GPU allocation; with one they fail with an error that names the
 collective. (For NCCL the timeout is enforced by PyTorch's watchdog thread, on by default.)
+
+**Leaving cleanly.** A gloo process group runs its collectives on worker threads of its own.
+A worker that finishes a collective lets go of the work's tensors a moment later, and if it
+drops the last reference to a tensor Python still knew, it must take the GIL to free it. If the
+interpreter is already shutting down by then, Python ends that thread from inside a C++
+destructor and the process dies of SIGABRT ("terminate called without an active exception"),
+after the run has finished and logged. `cleanup` therefore destroys the group *for real* while
+the interpreter is alive: destroying it joins the worker threads, which first finish letting go.
+Two things in PyTorch kept the group alive past `destroy_process_group`, so that its threads ran
+on into shutdown (found with a core dump of an abort, and `python tests/exit_loop.py` counts
+them):
+
+- `torch.distributed.nn` captures the world group in default arguments (`group=group.WORLD`)
+  when it is first imported; transformers imports it lazily, after our group exists. Importing
+  it at the top of this module, before any group exists, makes it capture `None`.
+- FSDP2's and DCP's `DeviceMesh` keeps its groups in a registry, and DTensor's sharding caches
+  keep the meshes. So every mesh here comes from `device_mesh()`, and `cleanup` empties the
+  registry of each before it destroys the group.
+
+And a wrapped model left in a reference cycle holds the group until the cycle collector runs, so
+`cleanup` runs it first. `tests/test_finetune.py` checks that no gloo thread is left after every
+strategy has trained.
+
+(The same abort is analysed in PyTorch pull request 179291, "Register atexit handler to destroy
+process groups before interpreter finalization", 2026, abandoned upstream as more complicated than
+it looked.)
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -43,6 +70,8 @@ from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: see "Leaving cleanly" above.
+import torch.distributed.nn  # noqa: F401
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so both launchers behave alike
@@ -65,6 +94,7 @@ class DistEnv:
 
 
 _env: DistEnv | None = None  # set by init_distributed, read by get_env
+_meshes: dict = {}  # device_mesh(): one 1-D mesh per device type, released by cleanup
 
 
 def find_free_port() -> int:
@@ -208,9 +238,43 @@ def get_env() -> DistEnv:
                    dist.get_backend())
 
 
+def device_mesh():
+    """A 1-D ``DeviceMesh`` of all ranks, for FSDP2 and DCP; made once, released by ``cleanup``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = get_env().device.type
+    if device_type not in _meshes:
+        _meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _meshes[device_type]
+
+
+def gloo_worker_threads() -> int:
+    """How many gloo worker threads this process runs (Linux; 0 elsewhere): 0 once ``cleanup`` is done."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return 0
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sum(name.startswith("pt_gloo") for name in names)
+
+
 def cleanup() -> None:
-    """Leave the process group, if any. No barrier: a rank that fails must not wait here."""
+    """Leave the process group, if any, and destroy it for real (see "Leaving cleanly").
+
+    No barrier: a rank that fails must not wait here. Every collective this process started has
+    been waited for by then (the strategies wait for their handles before a step ends)."""
     global _env
+    for mesh in _meshes.values():
+        mesh._pg_registry.clear()  # a private field: the mesh outlives us in DTensor's caches
+    _meshes.clear()
+    # A wrapped model that is garbage but sits in a reference cycle (hooks refer back to their
+    # module) still holds the group until the cycle collector runs: run it now, not at shutdown.
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
     _env = None

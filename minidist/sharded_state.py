@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
+from minidist.distributed import device_mesh
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -97,9 +98,7 @@ def get_state_dict(model, optimizer, full: bool, env) -> tuple[dict, dict]:
         if not env.is_main:
             return {}, {}
         return {k: v.detach().cpu().clone() for k, v in weights.items()}, {"flats": optim, "lr": lr}
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mesh = device_mesh()
     model_sd = {key: _dtensor(flat, shard, mesh) for key, flat, shard, _ in flats}
     optim = {}
     for key, flat, shard, _ in flats:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from minidist import precision
+from minidist.distributed import device_mesh
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 IMPLEMENTATIONS = ("minidist", "torch")
@@ -265,10 +266,9 @@ class TorchFSDP(Strategy):
     """PyTorch's FSDP2 (`fully_shard`): one unit per decoder layer, then the root for the rest."""
 
     def wrap(self, model):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        mesh = device_mesh()
         mp = None
         if self.mixed_precision == "bf16":
             # Parameters are all-gathered in bf16, gradients reduce-scattered in fp32.

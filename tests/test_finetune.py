@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from minidist import data, finetune
 from minidist.launch import launch
 from reference import train_reference
-from train_workers import run_finetunes
+from train_workers import run_finetunes, run_finetunes_then_leave
 
 STEPS, SEQ, LR, SEED = 4, 48, 3e-3, 3
 
@@ -185,3 +185,19 @@ def test_a_global_batch_larger_than_the_data_is_refused(tiny_model, tmp_path, ca
                             "--output_dir", str(tmp_path)], capsys)
     assert status != 0 and "Traceback" not in err
     assert "global_batch_size 8 is larger than" in err.strip().splitlines()[-1]
+
+
+def test_a_finished_run_leaves_no_gloo_worker_thread_behind(tiny_model, tmp_path):
+    # A gloo group runs collectives on threads of its own. If the group outlives `cleanup`, they
+    # run on into interpreter shutdown, where one that lets go of a finished collective's tensors
+    # aborts the process ("terminate called without an active exception"; minidist/distributed.py,
+    # "Leaving cleanly"). So after every strategy has trained in these ranks, the group must be
+    # really gone: no gloo thread left. (The abort itself is rare; tests/exit_loop.py counts it.)
+    games = tmp_path / "games.jsonl"
+    data.write_games(data.load_games(data.bundled_games("train"))[:16], games)
+    argvs = [["--model", tiny_model, "--impl", impl, "--strategy", strategy, "--mixed_precision", "bf16",
+              "--max_steps", "1", "--batch_size_per_device", "1", "--max_seq_length", "16", "--data", str(games),
+              "--eval_prefixes", "0", "--no_save", "--output_dir", str(tmp_path / f"{impl}-{strategy}")]
+             for impl, strategy in [("minidist", "ddp"), ("minidist", "zero1"), ("minidist", "zero2"),
+                                    ("minidist", "fsdp"), ("torch", "ddp"), ("torch", "fsdp")]]
+    assert launch(run_finetunes_then_leave, 2, argvs, timeout_s=300) == [0, 0]

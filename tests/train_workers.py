@@ -24,3 +24,12 @@ def evaluate_sharded(model_dir, strategy_name, num_prefixes):
     model = get_strategy(strategy_name, "torch", env).wrap(models.load_model(model_dir))
     prefixes = evaluate.game_prefixes(data.load_games(data.bundled_games("test")), num_prefixes)
     return evaluate.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
+
+
+def run_finetunes_then_leave(argvs):
+    """Several runs, then `cleanup`: how many gloo worker threads does the process still run?"""
+    from minidist.distributed import cleanup, gloo_worker_threads
+
+    run_finetunes(argvs)
+    cleanup()
+    return gloo_worker_threads()

@@ -1,0 +1,190 @@
+"""Start many short training runs and count the ones that do not exit cleanly.
+
+    python tests/exit_loop.py --runs 200                     # 200 runs of each strategy
+    python tests/exit_loop.py --runs 30 --launcher torchrun  # the same under torchrun (slower)
+    python tests/exit_loop.py --runs 200 --jobs 4            # on a machine with 8 or more cores
+
+A finished run must exit 0. An abort at process exit ("terminate called without an active
+exception", SIGABRT) comes after the run's work is done, in a few runs out of a hundred, so one
+run proves nothing. This command starts `--runs` runs of every strategy, each on 2 CPU ranks
+(gloo, bf16, one or two steps, no evaluation, no saving), interleaving the strategies so that
+each sees the same machine load. It prints a table per strategy: runs, clean exits, aborts
+(SIGABRT, or "terminate called" in the output) and other failures (an error, or a run still going
+after 5 minutes). It exits 1 if any run failed, and keeps the output of the first failures of
+each kind under `--keep`.
+
+Two launchers start the two rank processes of a run:
+
+- `fork` (the default): this process imports `minidist.finetune` once, as a rank would, and
+  forks both ranks from it. Each rank then runs `minidist.finetune.main` and leaves through the
+  interpreter's ordinary shutdown, as under torchrun. What it saves is the interpreter start
+  and the imports of `minidist.finetune` (nothing else is imported before the fork, so each rank
+  still sees the import order a real run has).
+- `torchrun`: `torchrun --standalone --nproc_per_node 2 -m minidist.finetune`, as a learner types
+  it; twice as slow.
+
+It is a maintainer's command, not part of the test suite. On 2 cores, 200 runs of six strategies
+take about 80 minutes with `fork`.
+"""
+
+import argparse
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: minidist is imported from here
+STRATEGIES = ["minidist/ddp", "minidist/zero1", "minidist/zero2", "minidist/fsdp", "torch/ddp", "torch/fsdp"]
+ABORT_MARK = "terminate called"
+RUN_TIMEOUT_S = 300
+
+
+def run_arguments(strategy: str, index: int, data: Path, out: Path) -> list[str]:
+    impl, name = strategy.split("/")
+    steps = 1 + index % 2  # 1 or 2 steps: a run that ends on its first step, and one that goes on
+    return ["--impl", impl, "--strategy", name, "--mixed_precision", "bf16", "--max_steps", str(steps),
+            "--batch_size_per_device", "2", "--max_seq_length", "32", "--data", str(data),
+            "--eval_prefixes", "0", "--no_save", "--log_every", "100", "--output_dir", str(out)]
+
+
+def start_torchrun(argv: list[str], log: Path) -> list[int]:
+    """torchrun with 2 ranks, its output into `log`; returns its pid."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "minidist.finetune", *argv]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return [proc.pid]
+
+
+def start_forked(argv: list[str], log: Path) -> list[int]:
+    """Fork the 2 ranks of one run from this process; returns their pids."""
+    from minidist.distributed import find_free_port
+
+    port = find_free_port()
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            rank_process(rank, port, argv, log.with_suffix(f".rank{rank}.log"))  # never returns
+        pids.append(pid)
+    return pids
+
+
+def rank_process(rank: int, port: int, argv: list[str], log: Path) -> None:
+    """Body of a forked rank: become rank `rank` as torchrun would make it, train, and exit through
+    the interpreter's shutdown (sys.exit, not os._exit, which would skip the very thing we test)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    from minidist import finetune
+
+    code = 0
+    try:
+        finetune.main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)  # up through the parent's frames (none of which has a `finally`), then shutdown
+
+
+def wait_all(pids: list[int], deadline: float) -> list[int | None]:
+    """Exit codes (negative: killed by that signal; None: killed here after the deadline)."""
+    codes = {}
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        if len(codes) < len(pids):
+            if time.monotonic() > deadline:
+                for pid in set(pids) - set(codes):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    codes[pid] = None
+            time.sleep(0.05)
+    return [codes[pid] for pid in pids]
+
+
+def classify(codes: list[int | None], output: str) -> str:
+    if ABORT_MARK in output or "SIGABRT" in output or any(c in (-6, 134) for c in codes):
+        return "abort"
+    return "clean" if all(c == 0 for c in codes) else "other"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python tests/exit_loop.py", description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=200, help="runs per strategy")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each has 2 rank processes)")
+    p.add_argument("--launcher", choices=("fork", "torchrun"), default="fork")
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--keep", default="exit_loop_failures", help="folder for the output of failed runs")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.jobs < 1:
+        p.error("--runs and --jobs must be at least 1")
+
+    sys.path.insert(0, str(ROOT))
+    from minidist import data
+
+    if args.launcher == "fork":
+        # What a rank imports before it runs (and nothing more); see the module docstring.
+        import minidist.finetune  # noqa: F401
+    start = {"fork": start_forked, "torchrun": start_torchrun}[args.launcher]
+    parent = os.getpid()
+    work = Path(tempfile.mkdtemp(prefix="exit_loop_"))  # not a `with`: forked ranks must not remove it
+    games = work / "games.jsonl"  # a few games: tokenizing 3,000 would dominate a one-step run
+    data.write_games(data.load_games(data.bundled_games("train"))[:64], games)
+    keep = Path(args.keep)
+    counts = {s: {"clean": 0, "abort": 0, "other": 0} for s in args.strategies}
+    plan = [(s, i) for i, s in itertools.product(range(args.runs), args.strategies)]
+    running, t0 = [], time.monotonic()
+    while plan or running:
+        while plan and len(running) < args.jobs:
+            strategy, i = plan.pop(0)
+            name = f"{strategy.replace('/', '-')}-{i}"
+            log = work / f"{name}.log"
+            pids = start(run_arguments(strategy, i, games, work / name), log)
+            running.append((strategy, log, pids, time.monotonic() + RUN_TIMEOUT_S))
+        strategy, log, pids, deadline = running.pop(0)
+        codes = wait_all(pids, deadline)
+        logs = sorted(work.glob(log.stem + "*.log"))
+        output = "".join(f.read_text(errors="replace") for f in logs)
+        kind = classify(codes, output)
+        counts[strategy][kind] += 1
+        if kind != "clean" and counts[strategy][kind] <= 3:
+            keep.mkdir(exist_ok=True)
+            (keep / f"{strategy.replace('/', '-')}-{kind}-{counts[strategy][kind]}.log").write_text(
+                f"exit codes {codes}\n{output}")
+        for f in logs:
+            f.unlink()
+        done = sum(sum(c.values()) for c in counts.values())
+        if done % 30 == 0:
+            print(f"{done}/{done + len(plan) + len(running)} runs, {time.monotonic() - t0:.0f} s, "
+                  f"{sum(c['abort'] for c in counts.values())} aborts", file=sys.stderr, flush=True)
+
+    assert os.getpid() == parent
+    shutil.rmtree(work)
+    print(f"{args.launcher}: {args.runs} runs per strategy, 2 ranks, {time.monotonic() - t0:.0f} s")
+    print(f"{'strategy':<16}{'runs':>6}{'clean':>7}{'aborts':>8}{'other':>7}")
+    for strategy, c in counts.items():
+        print(f"{strategy:<16}{sum(c.values()):>6}{c['clean']:>7}{c['abort']:>8}{c['other']:>7}")
+    failed = sum(c["abort"] + c["other"] for c in counts.values())
+    if failed:
+        print(f"{failed} runs did not exit cleanly; the output of the first ones is in {keep}/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
