@@ -9,7 +9,7 @@
 #   sbatch --gpus-per-node=4 slurm/00_memory.sh                  # 4 GPUs: DDP still replicates everything
 #   STRATEGY=fsdp sbatch --gpus-per-node=4 slurm/00_memory.sh    # what fits: FSDP on 4 (chess_finetune.sh)
 #
-# Expected outcome (estimated, NOT run: no GPU has run this project yet). From
+# Expected outcome (estimated, NOT run: this script has not run on GPUs yet). From
 #   python -m minidist.memory codellama/CodeLlama-7b-hf --strategy ddp --world_size 1 \
 #       --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB
 # (the same lines are the first of the job's log):

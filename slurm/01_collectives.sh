@@ -8,7 +8,7 @@
 #   OPS=all_reduce sbatch slurm/01_collectives.sh                     # the all-reduce only
 #   sbatch --nodes 2 slurm/01_collectives.sh                          # 8 GPUs on 2 nodes: the network joins in
 #
-# Expected outcome (NOT run: no GPU has run this project yet). For each collective a table of
+# Expected outcome (NOT run: this script has not run on GPUs yet). For each collective a table of
 # size, time, algbw = S/t and busbw = algbw x 2(N-1)/N (all-reduce) or x (N-1)/N (reduce-scatter,
 # all-gather), the definitions of nccl-tests' doc/PERFORMANCE.md. Small messages are latency-bound
 # (tens of microseconds, busbw near 0); busbw rises with the size and levels off from a few

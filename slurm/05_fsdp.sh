@@ -5,7 +5,7 @@
 #   sbatch slurm/05_fsdp.sh                            # units per decoder layer: fits
 #   sbatch slurm/05_fsdp.sh --no_layer_wrap_policy     # one unit, the whole model: does it fit?
 #
-# Expected outcome (estimated, NOT run: no GPU has run this project yet). From
+# Expected outcome (estimated, NOT run: this script has not run on GPUs yet). From
 #   python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy fsdp \
 #       --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB [--no_layer_wrap_policy]
 # - with the layer wrap policy (33 units: 32 LlamaDecoderLayers and the root): model states

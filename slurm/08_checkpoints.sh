@@ -9,7 +9,7 @@
 #   SAVE_STEPS=50 sbatch slurm/08_checkpoints.sh --impl minidist    # FSDP by hand (lesson 05); any finetune flag
 #   scancel --batch --signal=USR1 <jobid>                           # send the warning now: the same path
 #
-# Expected outcome (NOT run: no GPU has run this project yet). Log lines to look for, in order, in
+# Expected outcome (NOT run: this script has not run on GPUs yet). Log lines to look for, in order, in
 # 08-checkpoints-<jobid>.out (one log for every start: --open-mode=append):
 #   lesson 08: sharded checkpoints in OUTPUT_DIR, SAVE_STEPS=20, start 1; flags:
 #   job <id> (start 1): 1 node(s) x 4 GPUs, ...

@@ -9,7 +9,7 @@
 #   BATCH_SIZE_PER_DEVICE=8 sbatch slurm/09_capstone.sh            # exercise 2: 1, 2, 4 (default), 8 at total batch 32
 #   sbatch slurm/09_capstone.sh --gradient_checkpointing           # exercise 3: recompute the layers in backward
 #
-# Expected outcome (estimated, NOT run: no GPU has run this project yet). Memory per GPU from
+# Expected outcome (estimated, NOT run: this script has not run on GPUs yet). Memory per GPU from
 # `python -m minidist.memory codellama/CodeLlama-7b-hf --world_size 4 --max_seq_length 512
 # --gpu_memory 80GB --batch_size_per_device B [--strategy ddp] [--gradient_checkpointing]`:
 #   default (FSDP, 4 x 512 tokens, 2 accumulation steps)  model states 27.0 GB, peak ~43.2 GB: fits

@@ -17,7 +17,8 @@
 # each rank holds the full fp32 model in host memory before it is sharded: about 4 x 27 GB of
 # the node's RAM (--mem=0 asks for all of it); with `--impl minidist` (FSDP by hand) only rank 0
 # reads the weights and scatters the shards. `--impl minidist --strategy zero1|zero2|fsdp` runs
-# the hand-written strategies, which have not run on GPUs yet.
+# the hand-written strategies, which have run on one GPU only (an H100, world size 1, a 0.8B model).
+# This script itself has not run on GPUs yet.
 #
 # Before the first job, on a login node with internet, cache the model once:
 #   python -m minidist.models download codellama/CodeLlama-7b-hf

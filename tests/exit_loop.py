@@ -52,17 +52,17 @@ def run_arguments(strategy: str, index: int, data: Path, out: Path) -> list[str]
             "--eval_prefixes", "0", "--no_save", "--log_every", "100", "--output_dir", str(out)]
 
 
-def start_torchrun(argv: list[str], log: Path) -> list[int]:
-    """torchrun with 2 ranks, its output into `log`; returns its pid."""
+def start_torchrun(argv: list[str], log: Path) -> list:
+    """torchrun with 2 ranks, its output into `log`; returns its process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "minidist.finetune", *argv]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    return [proc.pid]
+    return [proc]  # the Popen, not its pid: subprocess reaps the children of Popens it no longer sees
 
 
-def start_forked(argv: list[str], log: Path) -> list[int]:
+def start_forked(argv: list[str], log: Path) -> list:
     """Fork the 2 ranks of one run from this process; returns their pids."""
     from minidist.distributed import find_free_port
 
@@ -99,23 +99,35 @@ def rank_process(rank: int, port: int, argv: list[str], log: Path) -> None:
     sys.exit(code)  # up through the parent's frames (none of which has a `finally`), then shutdown
 
 
-def wait_all(pids: list[int], deadline: float) -> list[int | None]:
-    """Exit codes (negative: killed by that signal; None: killed here after the deadline)."""
+def wait_all(procs: list, deadline: float) -> list[int | None]:
+    """Exit codes of forked pids or Popens (negative: killed by that signal; None: killed here
+    after the deadline)."""
+    def poll(proc):
+        if isinstance(proc, subprocess.Popen):
+            return proc.poll()
+        done, status = os.waitpid(proc, os.WNOHANG)
+        return os.waitstatus_to_exitcode(status) if done else None
+
+    def kill(proc):
+        if isinstance(proc, subprocess.Popen):
+            proc.kill()
+            proc.wait()
+        else:
+            os.kill(proc, signal.SIGKILL)
+            os.waitpid(proc, 0)
+
     codes = {}
-    while len(codes) < len(pids):
-        for pid in pids:
-            if pid not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = os.waitstatus_to_exitcode(status)
-        if len(codes) < len(pids):
+    while len(codes) < len(procs):
+        for i, proc in enumerate(procs):
+            if i not in codes and (code := poll(proc)) is not None:
+                codes[i] = code
+        if len(codes) < len(procs):
             if time.monotonic() > deadline:
-                for pid in set(pids) - set(codes):
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    codes[pid] = None
+                for i in set(range(len(procs))) - set(codes):
+                    kill(procs[i])
+                    codes[i] = None
             time.sleep(0.05)
-    return [codes[pid] for pid in pids]
+    return [codes[i] for i in range(len(procs))]
 
 
 def classify(codes: list[int | None], output: str) -> str:
@@ -155,10 +167,10 @@ def main(argv=None) -> int:
             strategy, i = plan.pop(0)
             name = f"{strategy.replace('/', '-')}-{i}"
             log = work / f"{name}.log"
-            pids = start(run_arguments(strategy, i, games, work / name), log)
-            running.append((strategy, log, pids, time.monotonic() + RUN_TIMEOUT_S))
-        strategy, log, pids, deadline = running.pop(0)
-        codes = wait_all(pids, deadline)
+            procs = start(run_arguments(strategy, i, games, work / name), log)
+            running.append((strategy, log, procs, time.monotonic() + RUN_TIMEOUT_S))
+        strategy, log, procs, deadline = running.pop(0)
+        codes = wait_all(procs, deadline)
         logs = sorted(work.glob(log.stem + "*.log"))
         output = "".join(f.read_text(errors="replace") for f in logs)
         kind = classify(codes, output)
