@@ -39,12 +39,13 @@ destructor and the process dies of SIGABRT ("terminate called without an active 
 after the run has finished and logged. `cleanup` therefore destroys the group *for real* while
 the interpreter is alive: destroying it joins the worker threads, which first finish letting go.
 Two things in PyTorch kept the group alive past `destroy_process_group`, so that its threads ran
-on into shutdown (found with a core dump of an abort, and `python tests/exit_loop.py` counts
-them):
+on into shutdown (found with a core dump of an abort; `python tests/exit_loop.py` counts aborts
+over many short runs):
 
 - `torch.distributed.nn` captures the world group in default arguments (`group=group.WORLD`)
-  when it is first imported; transformers imports it lazily, after our group exists. Importing
-  it at the top of this module, before any group exists, makes it capture `None`.
+  when it is first imported. transformers imports it (through `torch.distributed._shard`) when
+  it first loads a tokenizer or a model, after our group exists. Imported at the top of this
+  module, before any group exists, it captures `None`.
 - FSDP2's and DCP's `DeviceMesh` keeps its groups in a registry, and DTensor's sharding caches
   keep the meshes. So every mesh here comes from `device_mesh()`, and `cleanup` empties the
   registry of each before it destroys the group.
