@@ -249,26 +249,11 @@ def device_mesh():
     return _meshes[device_type]
 
 
-def gloo_worker_threads() -> int:
-    """How many gloo worker threads this process runs (Linux; 0 elsewhere): 0 once ``cleanup`` is done."""
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        return 0
-    names = []
-    for tid in os.listdir(tasks):
-        try:
-            with open(f"{tasks}/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended while we looked
-            pass
-    return sum(name.startswith("pt_gloo") for name in names)
-
-
 def cleanup() -> None:
     """Leave the process group, if any, and destroy it for real (see "Leaving cleanly").
 
-    No barrier: a rank that fails must not wait here. Every collective this process started has
-    been waited for by then (the strategies wait for their handles before a step ends)."""
+    No barrier: a rank that fails must not wait here. After a run that finished, no collective is
+    outstanding: the strategies wait for every handle before a step ends."""
     global _env
     for mesh in _meshes.values():
         mesh._pg_registry.clear()  # a private field: the mesh outlives us in DTensor's caches

@@ -16,7 +16,8 @@ each kind under `--keep`.
 Two launchers start the two rank processes of a run:
 
 - `torchrun` (the default): `torchrun --standalone --nproc_per_node 2 -m minidist.finetune`, as
-  a learner types it. It caught the abort before the fix (1 run in 60).
+  a learner types it. It caught the abort before the fix (1 run in 60, once, on a machine busy
+  with other work).
 - `fork`: this process imports `minidist.finetune` once, as a rank would, and forks both ranks
   from it. Each rank then runs `minidist.finetune.main` and leaves through the interpreter's
   ordinary shutdown, as under torchrun. It saves the interpreter start, the imports of

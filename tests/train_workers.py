@@ -1,5 +1,7 @@
 """Worker functions that `minidist.launch` imports in each spawned rank (see tests/workers.py)."""
 
+import os
+
 from minidist import finetune
 
 
@@ -28,8 +30,23 @@ def evaluate_sharded(model_dir, strategy_name, num_prefixes):
 
 def run_finetunes_then_leave(argvs):
     """Several runs, then `cleanup`: how many gloo worker threads does the process still run?"""
-    from minidist.distributed import cleanup, gloo_worker_threads
+    from minidist.distributed import cleanup
 
     run_finetunes(argvs)
     cleanup()
     return gloo_worker_threads()
+
+
+def gloo_worker_threads() -> int:
+    """How many gloo worker threads (`pt_gloo...`) this process runs; Linux only (0 elsewhere)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return 0
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sum(name.startswith("pt_gloo") for name in names)
