@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minidist.distributed import device_mesh, get_env
+from minidist.distributed import get_env
 
 # What each comparison is a ratio to, and its goals: (label, numerator, denominator, kind, bound).
 REFERENCE = {"ddp": "DistributedDataParallel (torch)", "fsdp": "fully_shard FSDP2 (torch)"}
@@ -60,46 +60,39 @@ def _time_steps(step, num_steps: int) -> list[float]:
     return slowest.tolist()
 
 
+def _wrapped(base, bucket_cap_mb, **options) -> tuple:
+    """(model, optimizer) as the training loop builds them: the strategy `options` name, around
+    its own copy of `base` (sharding replaces a model's parameters by flat shards)."""
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    if options["impl"] == "minidist" and options["strategy"] != "fsdp":
+        options["bucket_cap_mb"] = bucket_cap_mb
+    strategy = get_strategy(ParallelOptions(**options), get_env())
+    model = strategy.wrap(copy.deepcopy(base))
+    return model, strategy.build_optimizer(model, lr=1e-4)
+
+
 def _ddp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
-    """Naive, bucketed and PyTorch DDP, each around its own copy of `base`, with its optimizer."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from minidist import ddp
-
-    bucketed = ddp.BucketedDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
-    models = {
-        "naive DDP (minidist)": ddp.NaiveDDP(copy.deepcopy(base)),
-        "bucketed DDP (minidist)": bucketed,
-        "DistributedDataParallel (torch)": DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb),
-    }
-    wrapped = {name: (model, torch.optim.AdamW(model.parameters(), lr=1e-4)) for name, model in models.items()}
+    """Naive, bucketed and PyTorch DDP (buckets of 25 MB, its default), each on its own copy of `base`."""
+    wrapped = {name: _wrapped(base, bucket_cap_mb, strategy="ddp", **options) for name, options in (
+        ("naive DDP (minidist)", {"impl": "minidist", "ddp_variant": "naive"}),
+        ("bucketed DDP (minidist)", {"impl": "minidist", "ddp_variant": "bucketed"}),
+        ("DistributedDataParallel (torch)", {"impl": "torch"}))}
+    bucketed = wrapped["bucketed DDP (minidist)"][0]
     return wrapped, f"bucketed DDP: buckets of {bucket_cap_mb:g} MB ({len(bucketed.buckets)} for this model)"
 
 
 def _fsdp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
     """minidist FSDP (one unit per decoder layer and the root), minidist ZeRO-2, and PyTorch's
     FSDP2 (`fully_shard` on every decoder layer, then on the root), each on its own copy of `base`."""
-    from torch.distributed.fsdp import fully_shard
-
-    from minidist.fsdp import FullyShardedDataParallel
-    from minidist.zero import ZeroDP
-
-    layer = "LlamaDecoderLayer"
-    fsdp = FullyShardedDataParallel(copy.deepcopy(base), unit_classes={layer}, device=get_env().device)
-    zero2 = ZeroDP(copy.deepcopy(base), stage=2, bucket_cap_mb=bucket_cap_mb)
-    torch_fsdp = copy.deepcopy(base)
-    mesh = device_mesh()
-    for module in torch_fsdp.modules():
-        if type(module).__name__ == layer:
-            fully_shard(module, mesh=mesh)
-    fully_shard(torch_fsdp, mesh=mesh)
-    wrapped = {
-        "FSDP (minidist)": (fsdp, fsdp.build_optimizer(lr=1e-4)),
-        "ZeRO-2 (minidist)": (zero2, zero2.build_optimizer(lr=1e-4)),
-        "fully_shard FSDP2 (torch)": (torch_fsdp, torch.optim.AdamW(torch_fsdp.parameters(), lr=1e-4, betas=(0.9, 0.95))),
-    }
-    return wrapped, (f"FSDP units: {len(fsdp.units)} ({len(fsdp.layer_units)} x {layer} + root); "
-                     f"ZeRO-2 buckets of {bucket_cap_mb:g} MB ({len(zero2.buckets)} for this model)")
+    wrapped = {name: _wrapped(base, bucket_cap_mb, **options) for name, options in (
+        ("FSDP (minidist)", {"impl": "minidist", "strategy": "fsdp"}),
+        ("ZeRO-2 (minidist)", {"impl": "minidist", "strategy": "zero2"}),
+        ("fully_shard FSDP2 (torch)", {"impl": "torch", "strategy": "fsdp"}))}
+    fsdp, zero2 = wrapped["FSDP (minidist)"][0], wrapped["ZeRO-2 (minidist)"][0]
+    return wrapped, (f"FSDP units: {len(fsdp.units)} ({len(fsdp.layer_units)} x {type(fsdp.units[0].module).__name__}"
+                     f" + root); ZeRO-2 buckets of {bucket_cap_mb:g} MB ({len(zero2.buckets)} for this model)")
 
 
 IMPLEMENTATIONS = {"ddp": _ddp_implementations, "fsdp": _fsdp_implementations}
@@ -109,7 +102,8 @@ def time_implementations(what, hidden_size, num_layers, batch_size, seq_len, buc
     """Run in every rank: time the implementations compared by `what` on one model, turn by turn."""
     from transformers import LlamaForCausalLM
 
-    from minidist import comm, models
+    from minidist import models
+    from minidist.parallel import comm
 
     env = get_env()
     config = models.tiny_llama_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=max(1, hidden_size // 64))
@@ -187,8 +181,8 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
 def time_collective(op: str, sizes: list[int], warmup: int = 5, iters: int = 20) -> list[dict]:
     """Run in every rank: for each size S in bytes, the average seconds of one `op` on S bytes of
     fp32 (the slowest rank's), algbw and busbw in bytes per second, and the bytes this rank sent
-    by `comm.counter`. The calls go through `minidist.comm`, as the strategies' do."""
-    from minidist import comm
+    by `comm.counter`. The calls go through `minidist.parallel.comm`, as the strategies' do."""
+    from minidist.parallel import comm
 
     env = get_env()
     n = env.world_size

@@ -40,8 +40,7 @@ PIECE_VALUE = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, c
 def _capture_gain(board, move):
     """Material won by a capture, minus the capturing piece if the square is defended."""
     gain = PIECE_VALUE.get(board.piece_type_at(move.to_square), 1)  # en passant: a pawn
-    if board.is_attacked_by(not board.turn, move.to_square):
-        # (A king is never this capturer: taking a defended piece with it is illegal.)
+    if board.is_attacked_by(not board.turn, move.to_square):  # (never a king: taking a defended piece is illegal)
         gain -= PIECE_VALUE.get(board.piece_type_at(move.from_square), 0)
     return gain
 
@@ -103,9 +102,8 @@ def write_games(texts, path, max_games=None):
 def load_games(path):
     path = pathlib.Path(path)
     if not path.exists():
-        raise FileNotFoundError(
-            f"No games file at {path}: use the bundled sample (minidist.data.bundled_games("
-            f"'train')), or create it with `python -m minidist.data generate|convert|download`.")
+        raise FileNotFoundError(f"No games file at {path}: use the bundled sample (minidist.data.bundled_games("
+                                f"'train')), or create it with `python -m minidist.data generate|convert|download`.")
     if path.suffix != ".jsonl":
         raise ValueError(f"{path} is not a .jsonl file: convert parquet shards first with "
                          f"`python -m minidist.data convert SHARD.parquet --out FILE.jsonl`.")

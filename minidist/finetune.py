@@ -7,7 +7,8 @@
 
 One loop for every strategy: the strategy wraps the model, builds the optimizer and decides
 what communication a backward pass does; the loop only feeds batches and steps (see
-`strategies.py`).
+`parallel/strategy.py`). The parallel flags are `ParallelOptions`' (`parallel/options.py`),
+and the ranks' layout is `parallel/mesh.py`'s: every data-parallel rank gets its own micro-batches.
 
 The global batch is `batch_size_per_device x world_size x gradient_accumulation_steps`
 sequences. Which sequences form global batch k depends on the seed alone, so 1 rank with
@@ -32,9 +33,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, memory_measure, metrics, models, preemption, state
+from minidist import data, evaluate, metrics, models, preemption, state
 from minidist.distributed import cleanup, init_distributed
-from minidist.strategies import DDP_VARIANTS, IMPLEMENTATIONS, STRATEGIES, get_strategy
+from minidist.memory import measure
+from minidist.parallel.mesh import data_parallel_mesh
+from minidist.parallel.options import ParallelOptions
+from minidist.parallel.strategy import get_strategy
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,13 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=str(data.bundled_games("train")), help="training games, jsonl with a `text` field")
     p.add_argument("--eval_data", default=str(data.bundled_games("test")), help="held-out games for the legal-move rate")
     p.add_argument("--eval_prefixes", type=int, default=200, help="held-out prefixes to judge (0: skip evaluation)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="fsdp")
-    p.add_argument("--impl", choices=IMPLEMENTATIONS, default="torch", help="minidist (by hand) or torch (reference)")
+    ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (parallel/options.py)
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
-    p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
-    p.add_argument("--ddp_variant", choices=DDP_VARIANTS, help="minidist DDP: bucketed (the default) or naive")
-    p.add_argument("--bucket_cap_mb", type=float, help="minidist DDP and ZeRO: gradient bucket size in MB (default 25)")
-    p.add_argument("--reduce_dtype", choices=("fp32", "bf16"), help="minidist: the dtype gradients are summed in (default fp32)")
     p.add_argument("--batch_size_per_device", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=3e-3)
@@ -58,8 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--max_steps", type=int, default=150)
     p.add_argument("--max_seq_length", type=int, default=128)
-    p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--mixed_precision", choices=("bf16", "fp32"), default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
@@ -126,19 +123,18 @@ class UsageError(Exception):
 def train(args) -> dict:
     """Run the whole job on this rank; return what it measured (the tests compare these)."""
     env = init_distributed()
+    mesh = data_parallel_mesh()  # today every rank is a data-parallel rank (see mesh.py)
     torch.manual_seed(args.seed + env.rank)  # ranks differ on purpose: wrapping must make them agree
     if not env.is_main:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
     try:  # everything a learner can get wrong, checked before the expensive model load
-        options = {k: getattr(args, k) for k in ("ddp_variant", "bucket_cap_mb", "reduce_dtype")
-                   if getattr(args, k) is not None}  # only what the learner set: get_strategy checks they apply
-        strategy = get_strategy(args.strategy, args.impl, env, args.mixed_precision, not args.no_layer_wrap_policy, **options)
+        strategy = get_strategy(ParallelOptions.from_args(args), env, mesh)
         args.model = models.resolve(args.model)
         tokenizer = models.load_tokenizer(args.model)
         sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
-        sampler = data.GlobalBatchSampler(len(sequences), micro_bs * env.world_size * accum, args.seed)
+        sampler = data.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
         prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
         # What a checkpoint must share with this run for the resume to be exact (state.verify).
         run = {"model": state.model_fingerprint(args.model), "strategy": f"{args.impl}/{args.strategy}",
@@ -165,7 +161,7 @@ def train(args) -> dict:
     say = print if env.is_main else (lambda *a, **k: None)
     say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy} on "
         f"{env.world_size} x {env.device.type} | global batch {sampler.global_batch_size} = "
-        f"{micro_bs} x {env.world_size} ranks x {accum} accumulation | {len(sequences)} games")
+        f"{micro_bs} x {mesh.size} ranks x {accum} accumulation | {len(sequences)} games")
 
     def legal_rate(when: str) -> float | None:
         if not prefixes:
@@ -189,19 +185,19 @@ def train(args) -> dict:
         results = {"rate_before": restored["extra"]["rate_before"], "losses": [r["loss"] for r in restored["records"]]}
     else:
         results = {"rate_before": legal_rate("before training"), "losses": []}
-    strategy.comm_bytes()  # count from here: the first step's total starts at zero
-    meter = memory_measure.MemoryMeter(env.device)
+    strategy.take_comm_bytes()  # count from here: the first step's total starts at zero
+    meter = measure.MemoryMeter(env.device)
     bar = tqdm(total=args.max_steps, initial=start, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(start, args.max_steps):
         t0 = time.perf_counter()
         global_ids = sampler.global_batch(step)
         num_targets = sum(len(sequences[i]) - 1 for i in global_ids)  # every rank can count it
         micro_batches = []
-        for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_bs):
+        for ids in sampler.micro_batches(step, mesh.rank, mesh.size, micro_bs):
             batch = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
             micro_batches.append({name: tensor.to(env.device) for name, tensor in batch.items()})
         with meter.step():  # watches what forward saves for backward; on a GPU, resets the allocator's peak
-            loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
+            loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
         grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -209,16 +205,16 @@ def train(args) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         total = loss_sum.clone()
-        dist.all_reduce(total)  # the loss over the whole global batch, for the log
+        dist.all_reduce(total, group=mesh.group)  # the loss over the whole global batch, for the log
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         step_time = time.perf_counter() - t0
         tokens = sum(len(sequences[i]) for i in global_ids)
-        memory = memory_measure.gather(memory, env.device)  # outside the timed step: every rank's figures
+        memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
         record = {"step": step + 1, "loss": total.item() / num_targets, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
                   "peak_memory_bytes": max(memory["peak"]), "memory_bytes": memory,  # per rank, lists by rank
-                  "comm_bytes": strategy.comm_bytes()}  # sent by this rank in the step; None for --impl torch
+                  "comm_bytes": strategy.take_comm_bytes()}  # sent by this rank in the step; None for --impl torch
         peak = metrics.peak_flops(env.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
             mean_len = tokens / len(global_ids)

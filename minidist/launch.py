@@ -23,7 +23,7 @@ Three details make this reliable:
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import multiprocessing
 import os
 import pickle
 import signal
@@ -118,7 +118,7 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs)
             "function (not a lambda or a nested function) defined in an importable .py file."
         ) from e
 
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     port = find_free_port()
     procs, readers = [], {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -1,4 +1,4 @@
-"""Metrics: what one optimizer step cost, in seconds, tokens and FLOPs (bytes: `memory_measure.py`).
+"""Metrics: what one optimizer step cost, in seconds, tokens and FLOPs (bytes: `memory/measure.py`).
 
 Training FLOPs per token, from Kaplan et al. 2020 ("Scaling Laws for Neural Language Models",
 section 2.1) and the Megatron-LM paper (Narayanan et al. 2021, appendix): a forward pass costs

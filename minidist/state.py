@@ -24,9 +24,10 @@ different world size reads the slices it needs (resharding). To get one file out
 
 Both forms get and set the state through `strategy.get_state_dict` / `set_state_dict`, which
 default to PyTorch's `torch.distributed.checkpoint.state_dict` helpers (they understand plain
-modules, DDP and FSDP2). A hand-written ZeRO or FSDP overrides the two to hand out its shards as
-DTensors (`DTensor.from_local`, one per parameter, `Shard(0)`) and to take them back; DCP then
-saves and reshards them like FSDP2's, and nothing here changes.
+modules, DDP and FSDP2; FSDP2 saves one DTensor per parameter). The hand-written ZeRO and FSDP
+hand out their flat shards instead (`sharded_state.py`): one DTensor per *flat* (a bucket or a
+unit, `DTensor.from_local`, `Shard(0)`), and take them back; DCP then saves and reshards them
+like FSDP2's, and nothing here changes.
 
 **Atomic.** A save writes `checkpoint-N.tmp/`; every rank fsyncs its files; a barrier; then rank 0
 writes `checkpoint.json` (the manifest: what the checkpoint holds and every file's size) and

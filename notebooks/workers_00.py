@@ -3,7 +3,7 @@
 They live in a `.py` file because every rank is a *spawned* process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here measures memory by
 itself: each worker runs the real training loop, `minidist.finetune.train`, whose
-`minidist.memory_measure.MemoryMeter` records per rank, after every optimizer step, the bytes of
+`minidist.memory.measure.MemoryMeter` records per rank, after every optimizer step, the bytes of
 the parameters, gradients and optimizer states, and the peak of the tensors autograd saved for
 backward (`memory_bytes` in metrics.jsonl). We hand those records back to the notebook.
 """

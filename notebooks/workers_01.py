@@ -2,7 +2,7 @@
 
 They live in a `.py` file because every rank is a *spawned* process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements a
-collective: each one is `minidist.comm`'s (which calls `torch.distributed`), the ring is
+collective: each one is `minidist.parallel.comm`'s (which calls `torch.distributed`), the ring is
 `comm.ring_all_reduce`, and the timing is `minidist.bench.time_collective`, the code that
 `slurm/01_collectives.sh` runs on GPUs.
 """
@@ -13,7 +13,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from minidist import bench, comm
+from minidist import bench
+from minidist.parallel import comm
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 

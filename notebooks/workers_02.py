@@ -5,7 +5,8 @@ name; a function defined in a notebook cell cannot be imported. Nothing here re-
 minidist: `train` runs the real training loop, `minidist.finetune.train`, with the flags a
 learner would type; `backward_timeline` runs the loop's own pieces (`get_strategy`, `wrap`,
 `token_loss_sum`) one step at a time, and only *watches* them: it notes when each gradient is
-ready and when each all-reduce starts and finishes, without changing what is computed or sent.
+ready and when each all-reduce starts and finishes (and, for the bucketed DDP, which bucket it
+carries), without changing what is computed or sent.
 """
 
 import contextlib
@@ -13,9 +14,11 @@ import time
 
 import torch.distributed as dist
 
-from minidist import comm, data, finetune, models
+from minidist import data, finetune, models
 from minidist.distributed import init_distributed
-from minidist.strategies import get_strategy
+from minidist.parallel import comm
+from minidist.parallel.options import ParallelOptions
+from minidist.parallel.strategy import get_strategy
 
 import training
 
@@ -29,16 +32,18 @@ def _setup_rank() -> None:
 
 @contextlib.contextmanager
 def watch_all_reduces(calls: list):
-    """Note (start, finish, bytes) of every `comm.all_reduce` while inside, in `calls`.
+    """Note (start, finish, bytes, address) of every `comm.all_reduce` while inside, in `calls`.
 
-    `minidist.ddp` calls `comm.all_reduce` through the module, so replacing the module's
+    `minidist.parallel.ddp` calls `comm.all_reduce` through the module, so replacing the module's
     function for a while sees every call. The call itself is unchanged. An asynchronous one
     returns at once; its finish is when gloo completes it, which the work's future reports
-    (the callback runs in gloo's own thread)."""
+    (the callback runs in gloo's own thread). The address of the tensor's data (`data_ptr`)
+    says which buffer was sent, without keeping the tensor alive."""
     real = comm.all_reduce
 
     def noted(tensor, group=None, async_op=False):
-        call = {"start": time.perf_counter(), "finish": None, "bytes": tensor.numel() * tensor.element_size()}
+        call = {"start": time.perf_counter(), "finish": None, "bytes": tensor.numel() * tensor.element_size(),
+                "data_ptr": tensor.data_ptr()}
         calls.append(call)
         work = real(tensor, group=group, async_op=async_op)
         if async_op:
@@ -52,6 +57,16 @@ def watch_all_reduces(calls: list):
         yield
     finally:
         comm.all_reduce = real
+
+
+def bucket_launches(calls: list, buffers: list[int]) -> list[tuple[str, int, float]]:
+    """("launch", bucket, when the call began) for each all-reduce in `calls`, in launch order. The
+    bucket is the one whose buffer's address (`buffers`: `model.buckets[i].buffer.data_ptr()`) the
+    call was given. A bucketed DDP that reduces in another dtype (`--reduce_dtype bf16`) sends a
+    cast copy instead; then the i-th call of the step is taken to be bucket i (buckets are packed,
+    and so fill, in the order backward produces the gradients)."""
+    return [("launch", buffers.index(c["data_ptr"]) if c["data_ptr"] in buffers else i, c["start"])
+            for i, c in enumerate(calls)]
 
 
 def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batch: int, seq_len: int,
@@ -68,7 +83,8 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
     sampler = data.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
     out = {}
     for variant in ("naive", "bucketed"):
-        strategy = get_strategy("ddp", "minidist", env, ddp_variant=variant, bucket_cap_mb=bucket_cap_mb)
+        options = ParallelOptions(strategy="ddp", impl="minidist", ddp_variant=variant, bucket_cap_mb=bucket_cap_mb)
+        strategy = get_strategy(options, env)
         model = models.load_model(model_dir)
         ready = {}  # parameter -> when autograd finished its gradient (hooks registered before DDP's run first)
         for name, p in model.named_parameters():
@@ -79,7 +95,9 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
             ids, = sampler.micro_batches(step, env.rank, env.world_size, batch)
             micro = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
             num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))
-            calls, ready_before = [], len(getattr(model, "timeline", []))
+            calls = []
+            # The buckets this backward fills (the bucketed DDP re-packs them after its first one).
+            buffers = [b.buffer.data_ptr() for b in getattr(model, "buckets", [])]
             dist.barrier()  # start together, so the picture shows this rank's work, not a late peer
             with watch_all_reduces(calls):
                 t0 = time.perf_counter()
@@ -95,7 +113,7 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
             "backward": (rel(t1), rel(t2)),
             "last_gradient": rel(max(ready.values())),  # after this, backward only waits for the network
             "all_reduces": [(rel(c["start"]), rel(c["finish"]), c["bytes"]) for c in calls],
-            "timeline": [(e, b, rel(t)) for e, b, t in getattr(model, "timeline", [])[ready_before:]],
+            "timeline": [(e, b, rel(t)) for e, b, t in bucket_launches(calls, buffers)] if buffers else [],
             "buckets": [sum(p.numel() * p.element_size() for p in b.params) for b in getattr(model, "buckets", [])],
             "num_params": len(model.params),
         }

@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from minidist import strategies
+from minidist.parallel import strategy
 
 import training
 
@@ -71,7 +71,7 @@ def _one(model_dir, data_path, total_batch, b, sync_once, steps, seq_len, lr, n)
     # Without no_sync: the strategy's no_sync becomes a context that does nothing, so the
     # bucketed DDP's hooks all-reduce after every micro-batch's backward.
     patch = (contextlib.nullcontext() if sync_once else
-             mock.patch.object(strategies.MinidistDDP, "no_sync", lambda self, model: contextlib.nullcontext()))
+             mock.patch.object(strategy.MinidistDDP, "no_sync", lambda self, model: contextlib.nullcontext()))
     with patch:
         records, params, log = _run(model_dir, data_path, steps, seq_len, b, accumulation, lr)
     return {"batch_size_per_device": b, "accumulation": accumulation, "no_sync": sync_once,

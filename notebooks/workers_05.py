@@ -4,8 +4,8 @@ They live in a `.py` file because `launch` starts fresh processes that import th
 a function defined in a notebook cell cannot be imported. Nothing here re-implements minidist:
 the worker picks a strategy with `get_strategy`, wraps the model, and steps it with the training
 loop's own `train_step`, exactly as `minidist.finetune.train` does. It only *watches*: the bytes
-each rank holds (`memory_measure.model_state_bytes`), the bytes it sends (`comm.counter`, read
-through `strategy.comm_bytes()`), and, for FSDP, when each unit is gathered and freed.
+each rank holds (`minidist.memory.measure.model_state_bytes`), the bytes it sends (`comm.counter`,
+read through `strategy.take_comm_bytes()`), and, for FSDP, when each unit is gathered and freed.
 
 One launch runs several strategies one after the other in the same ranks: starting processes and
 importing transformers costs more on 2 cores than a few steps of a tiny model.
@@ -17,9 +17,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from minidist import data, finetune, memory_measure, models
+from minidist import data, finetune, models
 from minidist.distributed import get_env
-from minidist.strategies import get_strategy
+from minidist.memory import measure
+from minidist.parallel.options import ParallelOptions
+from minidist.parallel.strategy import get_strategy
 
 
 def _watch_units(fsdp, events, t0):
@@ -59,12 +61,12 @@ def run(model_dir, variants, steps=2, batch_size_per_device=2, seq_len=64, lr=1e
     results = {}
     for variant in variants:
         name, wrap = variant["strategy"], variant.get("wrap", True)
-        strategy = get_strategy(name, "minidist", env, layer_wrap_policy=wrap)
+        strategy = get_strategy(ParallelOptions(strategy=name, impl="minidist", layer_wrap_policy=wrap), env)
         model = strategy.load_model(model_dir)  # FSDP: rank 0 reads the weights, the others get shapes
         num_params = models.num_parameters(model) if env.rank == 0 else None
         model = strategy.wrap(model)  # FSDP: cut into units, flatten on rank 0, scatter the shards
         optimizer = strategy.build_optimizer(model, lr)
-        strategy.comm_bytes()  # the scatter at wrap time is not a step's traffic: reset the counter
+        strategy.take_comm_bytes()  # count from here: wrapping (broadcast, scatter) is not a step's traffic
         losses, sent, events = [], [], []
         for step in range(steps):
             ids = sampler.global_batch(step)
@@ -77,11 +79,11 @@ def run(model_dir, variants, steps=2, batch_size_per_device=2, seq_len=64, lr=1e
             loss = finetune.train_step(model, strategy, micro, num_targets, env.world_size)
             strategy.clip_grad_norm_(model, 1.0)
             optimizer.step()
-            state = memory_measure.model_state_bytes(model, optimizer)  # gradients still held
+            state = measure.model_state_bytes(model, optimizer)  # gradients still held
             optimizer.zero_grad(set_to_none=True)
             dist.all_reduce(loss)
             losses.append(loss.item() / num_targets)
-            sent.append(strategy.comm_bytes())
+            sent.append(strategy.take_comm_bytes())
         num = torch.tensor([num_params or 0], dtype=torch.long)
         dist.broadcast(num, src=0)  # every rank knows P, though only rank 0 read the weights
         key = name if wrap else f"{name}/no-wrap"
@@ -90,5 +92,5 @@ def run(model_dir, variants, steps=2, batch_size_per_device=2, seq_len=64, lr=1e
             results[key].update(
                 max_unsharded=model.max_unsharded, events=events,
                 units=[type(u.module).__name__ for u in model.units],
-                unit_numel=[u.flat.padded_numel for u in model.units])
+                unit_numel=[u.layout.padded_numel for u in model.units])
     return results

@@ -5,7 +5,7 @@ name; a function defined in a notebook cell cannot be imported. Nothing here re-
 minidist: each run is the real training loop, `minidist.finetune.train`, with the flags a learner
 would type (`--gradient_checkpointing`, `--batch_size_per_device 8`, ...), and what comes back is
 what that loop wrote to `metrics.jsonl`: per step, the loss, `step_time_s`, and `memory_bytes`
-(the saved-activation peak that `minidist.memory_measure` counts through saved-tensor hooks, and
+(the saved-activation peak that `minidist.memory.measure` counts through saved-tensor hooks, and
 the model states), each as a list by rank.
 
 One launch runs every configuration one after the other in the same ranks: starting processes and

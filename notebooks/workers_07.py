@@ -5,8 +5,8 @@ name; a function defined in a notebook cell cannot be imported. Nothing here re-
 minidist: each run is the real training loop, `minidist.finetune.train`, with the flags a learner
 would type (`--mixed_precision bf16`, `--reduce_dtype bf16`, `--impl torch`, ...), and what comes
 back is what that loop wrote to `metrics.jsonl`: per step, the loss, `comm_bytes` (what rank 0
-sent, counted by `minidist.comm`; None for `--impl torch`, whose collectives PyTorch runs itself)
-and `memory_bytes` (model states and the saved-activation peak, as lists by rank).
+sent, counted by `minidist.parallel.comm`; None for `--impl torch`, whose collectives PyTorch runs
+itself) and `memory_bytes` (model states and the saved-activation peak, as lists by rank).
 
 One launch runs every configuration one after the other in the same ranks: starting processes and
 importing transformers costs more on 2 cores than a few steps of a tiny model.

@@ -55,7 +55,9 @@ export GPUS_PER_NODE
 WORLD_SIZE=$((${SLURM_NNODES:-1} * GPUS_PER_NODE))
 
 # The estimate for the run about to start: chess_finetune.sh's sizes (bf16, 512 tokens), then the
-# flags given to this script that the estimator also knows (later ones win, as in argparse).
+# flags given to this script that change it (later ones win, as in argparse). The estimator takes
+# every ParallelOptions flag, but --reduce_dtype, --bucket_cap_mb and --ddp_variant leave DDP's
+# and FSDP's figures as they are.
 ESTIMATE=(--strategy "$STRATEGY" --world_size "$WORLD_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE"
           --max_seq_length 512 --mixed_precision bf16 --gpu_memory 80GB)
 args=("$@")

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Lesson 01, collectives: measure this node's all-reduce bus bandwidth on 4 A100-80GB GPUs with
-# minidist's own benchmark (`python -m minidist.bench allreduce`: minidist.comm.all_reduce over
-# nccl, timed as NVIDIA's nccl-tests time it), then the same for reduce-scatter and all-gather.
+# minidist's own benchmark (`python -m minidist.bench allreduce`: minidist.parallel.comm.all_reduce
+# over nccl, timed as NVIDIA's nccl-tests time it), then the same for reduce-scatter and all-gather.
 #
 #   sbatch slurm/01_collectives.sh                                    # 1 MiB .. 4 GiB, factor 4
 #   sbatch slurm/01_collectives.sh --min_bytes 8 --max_bytes 1G       # any `minidist.bench allreduce` flag

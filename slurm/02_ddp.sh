@@ -1,6 +1,6 @@
 #!/bin/bash
-# Lesson 02: data parallelism by hand (minidist/ddp.py) on CodeLlama-7b, on one node of 4
-# A100-80GB GPUs. The run that shows why DDP is not enough for a 7B model.
+# Lesson 02: data parallelism by hand (minidist/parallel/ddp.py) on CodeLlama-7b, on one node
+# of 4 A100-80GB GPUs. The run that shows why DDP is not enough for a 7B model.
 #
 #   sbatch slurm/02_ddp.sh                                  # bucketed DDP (25 MB buckets, overlap)
 #   DDP_VARIANT=naive sbatch slurm/02_ddp.sh                # all-reduce after backward, one per tensor

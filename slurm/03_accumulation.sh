@@ -6,8 +6,8 @@
 #   for b in 1 2 4 8; do BATCH_SIZE_PER_DEVICE=$b sbatch slurm/03_accumulation.sh; done
 #   BATCH_SIZE_PER_DEVICE=4 sbatch slurm/03_accumulation.sh --impl torch   # PyTorch's FSDP2 instead
 #
-# Each job runs the hand-written FSDP (minidist/fsdp.py; a 7B model does not fit with DDP, see
-# lesson 02) in bf16 for 30 steps, with no evaluation, and logs per step in
+# Each job runs the hand-written FSDP (minidist/parallel/fsdp.py; a 7B model does not fit with
+# DDP, see lesson 02) in bf16 for 30 steps, with no evaluation, and logs per step in
 # OUTPUT_DIR=runs/03-accumulation-b<B>-<job id>/metrics.jsonl: `loss`, `step_time_s`,
 # `tokens_per_s`, `mfu`, `peak_memory_bytes`, `comm_bytes`. Compare the four jobs' files.
 #

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Lesson 04: ZeRO-1 and ZeRO-2 by hand (minidist/zero.py) fine-tuning CodeLlama-7b on chess
-# games, on one node of 4 A100-80GB GPUs.
+# Lesson 04: ZeRO-1 and ZeRO-2 by hand (minidist/parallel/zero.py) fine-tuning CodeLlama-7b on
+# chess games, on one node of 4 A100-80GB GPUs.
 #
 #   sbatch slurm/04_zero.sh                                     # ZeRO-2, 8 sequences x 512 tokens per GPU
 #   STRATEGY=zero1 sbatch slurm/04_zero.sh                      # ZeRO-1: full gradients on every GPU

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Lesson 05, FSDP by hand: CodeLlama-7b fine-tuned on chess with minidist's own FSDP (fsdp.py)
-# on one node of 4 A100-80GB GPUs. The same code as notebooks/05_fsdp.ipynb, at 7B.
+# Lesson 05, FSDP by hand: CodeLlama-7b fine-tuned on chess with minidist's own FSDP
+# (minidist/parallel/fsdp.py) on one node of 4 A100-80GB GPUs. The same code as
+# notebooks/05_fsdp.ipynb, at 7B.
 #
 #   sbatch slurm/05_fsdp.sh                            # units per decoder layer: fits
 #   sbatch slurm/05_fsdp.sh --no_layer_wrap_policy     # one unit, the whole model: does it fit?

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Lesson 06: activation checkpointing (minidist/activation_checkpointing.py) fine-tuning
+# Lesson 06: activation checkpointing (minidist/parallel/recompute.py) fine-tuning
 # CodeLlama-7b on chess games with minidist's FSDP, on one node of 4 A100-80GB GPUs: the largest
 # batch per GPU that fits when each decoder layer is recomputed in backward instead of stored.
 #

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Lesson 07: mixed precision (minidist/precision.py) fine-tuning CodeLlama-7b on chess games with
-# minidist's FSDP, on one node of 4 A100-80GB GPUs: bf16 compute over fp32 master weights, or fp32.
+# Lesson 07: mixed precision (minidist/parallel/precision.py) fine-tuning CodeLlama-7b on chess
+# games with minidist's FSDP, on one node of 4 A100-80GB GPUs: bf16 compute over fp32 master
+# weights, or fp32.
 #
 #   sbatch slurm/07_mixed_precision.sh                           # bf16 gathers and compute, fp32 reduction
 #   MIXED_PRECISION=fp32 sbatch slurm/07_mixed_precision.sh      # everything fp32: the comparison run

@@ -4,7 +4,7 @@
 # classic exercises. The same code as notebooks/09_capstone.ipynb, at 7B.
 #
 #   sbatch slurm/09_capstone.sh                                    # PyTorch's FSDP2, the reference
-#   IMPL=minidist sbatch slurm/09_capstone.sh                      # the same run with FSDP by hand (fsdp.py)
+#   IMPL=minidist sbatch slurm/09_capstone.sh                      # the same run with FSDP by hand (parallel/fsdp.py)
 #   sbatch slurm/09_capstone.sh --no_fsdp                          # exercise 1: plain DDP
 #   BATCH_SIZE_PER_DEVICE=8 sbatch slurm/09_capstone.sh            # exercise 2: 1, 2, 4 (default), 8 at total batch 32
 #   sbatch slurm/09_capstone.sh --gradient_checkpointing           # exercise 3: recompute the layers in backward

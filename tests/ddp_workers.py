@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist import comm
+from minidist.parallel import comm
 from minidist.distributed import get_env
 
 
@@ -55,7 +55,8 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
     so only the broadcast at wrap time can make the runs agree with the reference.
     """
     from minidist import data, finetune, models
-    from minidist.strategies import get_strategy
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
@@ -70,10 +71,10 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * env.rank)
         checksum_before = sum(p.double().sum().item() for p in model.parameters())
-        strategy = get_strategy("ddp", "minidist", env, ddp_variant=variant, bucket_cap_mb=bucket_cap_mb)
+        strategy = get_strategy(ParallelOptions("ddp", "minidist", ddp_variant=variant, bucket_cap_mb=bucket_cap_mb), env)
         model = strategy.wrap(model)
         optimizer = strategy.build_optimizer(model, lr)
-        strategy.comm_bytes()
+        strategy.take_comm_bytes()
         losses, comm_bytes = [], []
         for step in range(steps):
             global_ids = sampler.global_batch(step)
@@ -86,7 +87,7 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
             optimizer.zero_grad(set_to_none=True)
             dist.all_reduce(loss_sum)
             losses.append(loss_sum.item() / num_targets)
-            comm_bytes.append(strategy.comm_bytes())
+            comm_bytes.append(strategy.take_comm_bytes())
         results[variant, str(dtype)] = {
             "losses": losses, "comm_bytes": comm_bytes, "checksum_before": checksum_before,
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -97,7 +98,8 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
 
 def overlap_order(model_dir, bucket_cap_mb):
     """The interleaving of gradient-ready events and bucket launches in one synced backward."""
-    from minidist import ddp, models
+    from minidist import models
+    from minidist.parallel import ddp
 
     env = get_env()
     model = models.load_model(model_dir)
@@ -128,7 +130,7 @@ class TwoLayers(nn.Module):
 
 def unused_parameter_is_named():
     """A parameter that gets no gradient must be reported, not silently left unsynchronised."""
-    from minidist.ddp import BucketedDDP
+    from minidist.parallel.ddp import BucketedDDP
 
     model = BucketedDDP(TwoLayers())
     model(torch.ones(2, 4)).sum().backward()

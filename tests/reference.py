@@ -1,14 +1,16 @@
 """The single-process reference every strategy is held to, written without minidist's loop.
 
 The textbook training loop: one process, the whole global batch as one batch, the mean token
-loss, AdamW (betas 0.9, 0.95), gradient clipping at 1.0. Only the data order comes from
-minidist (`GlobalBatchSampler`), so that both sides see the same games in the same steps.
+loss, AdamW, gradient clipping at 1.0. Only the data order (`GlobalBatchSampler`) and AdamW's
+betas (`ADAMW_BETAS`, written once for the whole project) come from minidist, so that both
+sides see the same games in the same steps and use the same optimizer.
 """
 
 import torch
 import torch.nn.functional as F
 
 from minidist import data, models
+from minidist.parallel.options import ADAMW_BETAS
 
 
 def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=torch.float32, frozen=(),
@@ -20,7 +22,7 @@ def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtyp
     sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, seq_len)
     sampler = data.GlobalBatchSampler(len(sequences), global_batch, seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
     losses = []
     for step in range(steps):

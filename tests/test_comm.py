@@ -1,4 +1,4 @@
-"""The collectives of minidist.comm: the ring all-reduce by hand, and the bytes counted."""
+"""The collectives of minidist.parallel.comm: the ring all-reduce by hand, and the bytes counted."""
 
 import pytest
 import torch
@@ -38,3 +38,16 @@ def test_reduce_scatter_and_all_gather_and_their_byte_counts(world):
         nbytes = world * shard_size * 4  # the full tensor
         assert r["rs_bytes"] == r["ag_bytes"] == (world - 1) * nbytes / world
         assert r["ar_bytes"] == 2 * (world - 1) * nbytes / world
+
+
+def test_the_counter_adds_collectives_over_groups_of_different_sizes_exactly():
+    """With hybrid sharding a step runs collectives over a shard group and a replicate group of
+    other sizes (`parallel/mesh.py`); the count must add them exactly, and `take` starts it over."""
+    from minidist.parallel.comm import ByteCounter
+
+    counter = ByteCounter()
+    counter.add(1, 3, 2)  # a reduce-scatter of 3 bytes over 2 ranks: 1/2 of it goes out, 1.5 bytes
+    counter.add(6, 7, 4)  # an all-reduce of 7 bytes over 4 ranks: 2(4-1)/4 of it, 10.5 bytes
+    counter.add(2, 1, 3)  # an all-gather of 1 byte over 3 ranks: 2/3 byte
+    assert counter.take() == 1.5 + 10.5 + 2 / 3
+    assert counter.take() == 0

@@ -1,10 +1,10 @@
 """The memory estimator against measurement: model states in the training loop, activations here.
 
 Model states: the loop records, per rank, the bytes of the parameters, gradients and optimizer
-states it holds after the optimizer step (`memory_measure`); `minidist.memory` must predict them
-within 2% for every strategy that exists, on 1, 2 and 4 ranks. Activations: the bytes autograd
-saves for backward, counted with saved-tensor hooks, must match the estimate within 5% (the
-issue allows 15%) for several batch sizes and lengths, with and without checkpointing.
+states it holds after the optimizer step (`memory/measure.py`); `memory/estimator.py` must
+predict them within 2% for every strategy that exists, on 1, 2 and 4 ranks. Activations: the
+bytes autograd saves for backward, counted with saved-tensor hooks, must match the estimate
+within 5% for several batch sizes and lengths, with and without checkpointing.
 """
 
 import json
@@ -18,11 +18,14 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from memory_workers import train_each
-from minidist import data, memory, memory_measure, memory_report
+from minidist import data
+from minidist.memory import __main__ as memory_command
+from minidist.memory import estimator, measure, report
 from minidist.finetune import token_loss_sum
 from minidist.launch import launch
 from minidist.models import load_model, write_tiny_llama
-from minidist.strategies import Strategy, TorchDDP
+from minidist.parallel.options import ParallelOptions
+from minidist.parallel.strategy import Strategy, TorchDDP
 
 SEQ, BATCH = 32, 2  # every game is longer than 32 tokens: full, unpadded micro-batches
 STRATEGIES = [  # (impl, strategy, extra flags); minidist/* are the hand-written ddp.py, zero.py, fsdp.py
@@ -64,16 +67,16 @@ def test_the_loop_measures_what_the_estimate_says(tiny_model, long_games, tmp_pa
     runs = [common + ["--impl", impl, "--strategy", name, "--output_dir", str(tmp_path / "-".join([impl, name, *extra]))] + extra
             for impl, name, extra in cases]
     launch(train_each, world_size, runs, timeout_s=300)
-    shape = memory.model_shape(tiny_model)
+    shape = estimator.model_shape(tiny_model)
     for (impl, name, extra), argv in zip(cases, runs):
         record = json.loads((tmp_path / argv[argv.index("--output_dir") + 1] / "metrics.jsonl").read_text().splitlines()[-1])
         measured = record["memory_bytes"]
         assert len(measured["peak"]) == world_size and record["peak_memory_bytes"] == max(measured["peak"])
-        setup = memory.Setup(strategy=name, world_size=world_size, batch_size_per_device=BATCH, max_seq_length=SEQ,
-                             mixed_precision="bf16" if "bf16" in extra else "fp32",
-                             layer_wrap_policy="--no_layer_wrap_policy" not in extra, impl=impl, padded=False,
-                             gradient_checkpointing="--gradient_checkpointing" in extra)
-        estimate = memory.estimate(shape, setup)
+        setup = estimator.setup(strategy=name, world_size=world_size, batch_size_per_device=BATCH, max_seq_length=SEQ,
+                                mixed_precision="bf16" if "bf16" in extra else "fp32",
+                                layer_wrap_policy="--no_layer_wrap_policy" not in extra, impl=impl, padded=False,
+                                gradient_checkpointing="--gradient_checkpointing" in extra)
+        estimate = estimator.estimate(shape, setup)
         for term in ("parameters", "gradients", "optimizer_states"):
             # The first rank holds the fullest shards: the estimate is its figure, and the others' bound.
             got, want = max(measured[term]), estimate[term]
@@ -105,7 +108,7 @@ def measure_saved(folder, batch, seq, checkpointing, precision, padded):
     model.train()
     if checkpointing:  # as finetune.py does it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    strategy = TorchDDP(CPU(), mixed_precision="bf16") if precision == "autocast" else Strategy(CPU())
+    strategy = TorchDDP(ParallelOptions(mixed_precision="bf16"), CPU()) if precision == "autocast" else Strategy(ParallelOptions(), CPU())
     if precision == "bf16":
         model.to(torch.bfloat16)
     torch.manual_seed(0)
@@ -114,7 +117,7 @@ def measure_saved(folder, batch, seq, checkpointing, precision, padded):
     if padded:
         attention_mask[-1, seq // 2:] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    tracker = memory_measure.SavedActivations()
+    tracker = measure.SavedActivations()
     with tracker:
         token_loss_sum(model, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}, strategy).backward()
     assert tracker.current == 0  # backward let go of everything it saved
@@ -140,10 +143,10 @@ ACTIVATION_CASES = [  # (model, batch, sequence length, checkpointing, precision
 @pytest.mark.parametrize("name,batch,seq,checkpointing,precision,padded", ACTIVATION_CASES)
 def test_saved_activations_match_the_estimate(llamas, name, batch, seq, checkpointing, precision, padded):
     measured = measure_saved(llamas[name], batch, seq, checkpointing, precision, padded)
-    setup = memory.Setup(strategy="ddp" if precision == "autocast" else "fsdp",
-                         mixed_precision="fp32" if precision == "fp32" else "bf16", batch_size_per_device=batch,
-                         max_seq_length=seq, gradient_checkpointing=checkpointing, padded=padded)
-    estimate = memory.activations(memory.model_shape(llamas[name]), setup)
+    setup = estimator.setup(strategy="ddp" if precision == "autocast" else "fsdp",
+                            mixed_precision="fp32" if precision == "fp32" else "bf16", batch_size_per_device=batch,
+                            max_seq_length=seq, gradient_checkpointing=checkpointing, padded=padded)
+    estimate = estimator.activations(estimator.model_shape(llamas[name]), setup)
     # Under autocast the bf16 weight copies are saved by the linear layers: the hooks see them.
     want = estimate["saved"] + estimate["weight_copies"]
     assert abs(measured - want) <= 0.05 * want, f"measured {measured}, estimated {want:.0f}"
@@ -155,32 +158,32 @@ def test_other_architectures_are_approximate(tmp_path):
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, n_positions=128,
                                bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
-    shape = memory.model_shape(str(tmp_path))
+    shape = estimator.model_shape(str(tmp_path))
     assert shape.num_params == sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
     measured = measure_saved(str(tmp_path), 2, 64, False, "fp32", False)
-    estimate = memory.activations(shape, memory.Setup(mixed_precision="fp32", batch_size_per_device=2,
-                                                      max_seq_length=64, padded=False))["saved"]
+    estimate = estimator.activations(shape, estimator.setup(mixed_precision="fp32", batch_size_per_device=2,
+                                                            max_seq_length=64, padded=False))["saved"]
     assert abs(measured - estimate) <= 0.4 * measured
-    assert not memory_report.report(shape, memory.Setup())["exact"]
+    assert not report.report(shape, estimator.setup())["exact"]
 
 
 def test_codellama_numbers_to_know():
     """The bundled CodeLlama-7b config gives DESIGN.md's numbers: P = 6.74e9, DDP 16P = 108 GB, FSDP
     on 4 GPUs 27 GB of model states; DDP does not fit an 80 GB A100 at batch 1, FSDP does."""
-    shape = memory.model_shape("codellama/CodeLlama-7b-hf")
+    shape = estimator.model_shape("codellama/CodeLlama-7b-hf")
     assert shape.num_params == 6_738_546_688 and shape.layer_params == 202_383_360
-    states = lambda setup: sum(memory.model_states(shape, setup).values())
-    assert round(states(memory.Setup(strategy="ddp")) / 1e9) == 108
-    assert round(states(memory.Setup(strategy="fsdp", world_size=4)) / 1e9) == 27
-    ddp = memory_report.report(shape, memory.Setup(strategy="ddp", world_size=4), gpu_memory=80e9)
+    states = lambda setup: sum(estimator.model_states(shape, setup).values())
+    assert round(states(estimator.setup(strategy="ddp")) / 1e9) == 108
+    assert round(states(estimator.setup(strategy="fsdp", world_size=4)) / 1e9) == 27
+    ddp = report.report(shape, estimator.setup(strategy="ddp", world_size=4), gpu_memory=80e9)
     assert not ddp["fits"] and ddp["largest_batch_per_device"] == 0
-    fsdp = memory_report.report(shape, memory.Setup(strategy="fsdp", world_size=4), gpu_memory=80e9)
+    fsdp = report.report(shape, estimator.setup(strategy="fsdp", world_size=4), gpu_memory=80e9)
     assert fsdp["fits"] and fsdp["largest_batch_per_device"] >= 1
     # The largest batch is the largest that fits: one more does not.
-    more = memory.Setup(strategy="fsdp", world_size=4, batch_size_per_device=fsdp["largest_batch_per_device"] + 1)
-    assert memory.estimate(shape, more)["peak"] > 80e9
+    more = estimator.setup(strategy="fsdp", world_size=4, batch_size_per_device=fsdp["largest_batch_per_device"] + 1)
+    assert estimator.estimate(shape, more)["peak"] > 80e9
     # Checkpointing keeps one hidden state per layer instead of a layer's worth: far more fits.
-    ckpt = memory_report.report(shape, memory.Setup(strategy="fsdp", world_size=4, gradient_checkpointing=True), gpu_memory=80e9)
+    ckpt = report.report(shape, estimator.setup(strategy="fsdp", world_size=4, gradient_checkpointing=True), gpu_memory=80e9)
     assert ckpt["largest_batch_per_device"] > 3 * fsdp["largest_batch_per_device"]
 
 
@@ -215,13 +218,13 @@ def test_an_unknown_model_without_network_ends_with_one_line():
 ])
 def test_bad_input_ends_with_one_line(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit:
-        memory_report.main(argv)
+        memory_command.main(argv)
     assert exit.value.code == 2
     assert expected in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_the_table_prints_every_term(capsys):
-    memory_report.main(["codellama/CodeLlama-7b-hf", "--strategy", "ddp", "--gpu_memory", "80GB"])
+    memory_command.main(["codellama/CodeLlama-7b-hf", "--strategy", "ddp", "--gpu_memory", "80GB"])
     out = capsys.readouterr().out
     for label in ("parameters", "gradients", "optimizer states", "gradient buckets", "activations saved",
                   "bf16 weight copies", "logits", "peak per rank", "fits in 80.00 GB: no"):

@@ -27,7 +27,8 @@ from minidist import finetune, preemption, state
 from minidist.distributed import cleanup, init_distributed
 from minidist.launch import launch
 from minidist.models import load_model, load_tokenizer, write_tiny_llama
-from minidist.strategies import get_strategy
+from minidist.parallel.options import ParallelOptions
+from minidist.parallel.strategy import get_strategy
 from train_workers import run_finetune, run_finetunes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,7 +255,7 @@ def world_of_one():
 
 def test_rng_states_latest_pointer_and_the_last_k(tiny_model, tmp_path, world_of_one):
     """Random streams continue where they were; `latest` names the newest; only K are kept."""
-    strategy = get_strategy("fsdp", "torch", world_of_one)
+    strategy = get_strategy(ParallelOptions("fsdp", "torch"), world_of_one)
     model = strategy.wrap(load_model(tiny_model))
     optimizer = strategy.build_optimizer(model, 1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

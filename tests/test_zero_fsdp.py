@@ -1,4 +1,4 @@
-"""The hand-written ZeRO-1, ZeRO-2 and FSDP (`zero.py`, `fsdp.py`) against a single-process reference.
+"""The hand-written ZeRO-1, ZeRO-2 and FSDP (`parallel/zero.py`, `parallel/fsdp.py`) against a single-process reference.
 
 Whatever the strategy, the world size, the accumulation, the wrap policy and activation
 checkpointing, sharding must not change the arithmetic: every run must give the losses and
@@ -8,9 +8,10 @@ odd sizes, so that the flat buffers need padding). Ranks start apart: ranks > 0 
 their weights, or build the model on the meta device (FSDP's `load_model`), so only the
 broadcast or the scatter at wrap time can make them agree.
 
-The same runs are held to the issue's other numbers: bytes sent per optimizer step (counted by
-`comm.py`), model-state bytes per rank (`memory_measure`), how many FSDP units are gathered at
-once, and bf16 against fp32 over 20 steps.
+The same runs are held to the numbers the lessons teach: bytes sent per optimizer step (counted
+by `parallel/comm.py`), model-state bytes per rank (`memory/measure.py`, against the table in
+`parallel/zero.py`'s docstring), how many FSDP units are gathered at once, and bf16 against fp32
+over 20 steps.
 
 Cost: each launch spends seconds starting processes and importing transformers on 2 cores,
 while a 5-step variant of these tiny models takes one or two. So there are two launches, one
@@ -191,7 +192,7 @@ def test_bytes_per_optimizer_step(runs, model, world, accum):
 
 def model_state_formulas(strategy, precision, p, n):
     """(parameters, gradients, optimizer states) in bytes per rank for P parameters on N ranks: the
-    issue's table. bf16: 2-byte weights and gradients, fp32 master + m + v = 12 bytes sharded;
+    table in `parallel/zero.py`'s docstring. bf16: 2-byte weights and gradients, fp32 master + m + v = 12 bytes sharded;
     FSDP's fp32 shard is itself the master. fp32: the weights are the masters, m + v = 8 bytes."""
     if strategy == "ddp":  # minidist's DDP keeps fp32 weights in both (bf16 is autocast)
         return 4 * p, 4 * p, 8 * p
@@ -202,7 +203,7 @@ def model_state_formulas(strategy, precision, p, n):
     return weight * p, (weight * p if strategy == "zero1" else weight * p / n), optimizer
 
 
-HEADLINES = {  # total bytes per rank, as the issue states them
+HEADLINES = {  # total bytes per rank: the ZeRO paper's split (Rajbhandari et al. 2020, section 3)
     "bf16": {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 4 * p + 12 * p / n,
              "zero2": lambda p, n: 2 * p + 14 * p / n, "fsdp": lambda p, n: 16 * p / n},
     "fp32": {"ddp": lambda p, n: 16 * p, "zero1": lambda p, n: 8 * p + 8 * p / n,
@@ -223,13 +224,13 @@ def memory_runs(runs):
 
 
 def test_model_state_bytes_per_rank_follow_the_formulas(runs):
-    """After the optimizer step, before zero_grad, each rank holds the issue's model states.
+    """After the optimizer step, before zero_grad, each rank holds the model states of the table.
 
-    Measured by `memory_measure.model_state_bytes` (each tensor storage once). The only
+    Measured by `measure.model_state_bytes` (each tensor storage once). The only
     differences from the formulas are the padding of the flat buffers (fewer than N elements
     each, in every term) and AdamW's 4-byte `step` counter per optimized tensor: with those
     counted the bytes are exact, and every term is within 2% of the formula in P. The totals
-    are the issue's headlines, DDP's 16P against ZeRO's and FSDP's."""
+    are the paper's headlines, DDP's 16P against ZeRO's and FSDP's."""
     seen = set()
     for world, precision, where, variant, per_rank in memory_runs(runs):
         strategy = variant.split("/")[0]
@@ -300,3 +301,20 @@ def test_bf16_tracks_fp32_over_20_steps(runs, fp32_losses_20_steps):
         assert fp32[-1] < fp32[0] - 0.5 and losses[-1] < losses[0] - 0.5  # both trained, not just agreed
         bytes_per_element = 6 if strategy.startswith("zero") else 8
         assert run["comm_bytes"] == [bytes_per_element * run["padded_numel"] * (2 - 1) / 2] * BF16_STEPS
+
+
+def test_zero1_as_an_optimizer_wraps_any_torch_optimizer():
+    """`ShardedOptimizer(params, optimizer_class, **kwargs)`, the shape of PyTorch's
+    ZeroRedundancyOptimizer: on 2 ranks, around AdamW and around SGD with momentum, it gives the
+    weights of the unsharded optimizer, while each rank keeps the states of half the parameters."""
+    from zero_fsdp_workers import sharded_optimizer_matches_its_inner_optimizer
+
+    ranks = launch(sharded_optimizer_matches_its_inner_optimizer, 2, timeout_s=120)
+    for name, states_per_parameter in (("AdamW", 2), ("SGD", 1)):  # AdamW: m and v; SGD: its momentum
+        runs = [rank[name] for rank in ranks]
+        assert runs[0]["num_buckets"] > 1, "the test should spread the parameters over several buckets"
+        for run in runs:
+            assert run["max_diff"] <= 1e-6, (name, run)
+            # One shard per bucket, each at most one element of padding larger than half its bucket.
+            half = states_per_parameter * (run["numel"] / 2 + run["num_buckets"])
+            assert run["state_numel"] <= half, (name, run)

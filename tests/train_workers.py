@@ -19,11 +19,12 @@ def evaluate_sharded(model_dir, strategy_name, num_prefixes):
     """The legal-move rate of a model wrapped by `strategy_name`, each rank judging its share."""
     from minidist import data, evaluate, models
     from minidist.distributed import get_env
-    from minidist.strategies import get_strategy
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
-    model = get_strategy(strategy_name, "torch", env).wrap(models.load_model(model_dir))
+    model = get_strategy(ParallelOptions(strategy_name, "torch"), env).wrap(models.load_model(model_dir))
     prefixes = evaluate.game_prefixes(data.load_games(data.bundled_games("test")), num_prefixes)
     return evaluate.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
 

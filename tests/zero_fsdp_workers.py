@@ -23,12 +23,8 @@ def variant_name(strategy, mixed_precision="fp32", wrap=True, checkpointing=Fals
 
 
 def _flats(model, strategy):
-    """The FlatParameters of a wrapped model: ZeRO's buckets, FSDP's units; none for DDP."""
-    if strategy in ("zero1", "zero2"):
-        return [b.flat for b in model.buckets]
-    if strategy == "fsdp":
-        return [u.flat for u in model.units]
-    return []
+    """The flat layouts of a wrapped model: ZeRO's buckets, FSDP's units; none for DDP."""
+    return [flat.layout for flat in model.flats()]
 
 
 def run_plan(plan, global_batch, seq_len, lr, bucket_cap_mb):
@@ -64,14 +60,16 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
     or, with meta=True, build the model on the meta device through FSDP's `load_model`. Either
     way only the broadcast (ZeRO, DDP) or the scatter (FSDP) at wrap time can make the runs
     agree with the single-process reference."""
-    from minidist import data, finetune, memory_measure, models
-    from minidist.strategies import get_strategy
+    from minidist import data, finetune, models
+    from minidist.memory import measure
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
 
     env = get_env()
     started = time.perf_counter()
     torch.manual_seed(env.rank)
     options = {"bucket_cap_mb": bucket_cap_mb} if strategy != "fsdp" else {}  # several buckets, not one
-    impl = get_strategy(strategy, "minidist", env, mixed_precision=mixed_precision, layer_wrap_policy=wrap, **options)
+    impl = get_strategy(ParallelOptions(strategy, "minidist", layer_wrap_policy=wrap, mixed_precision=mixed_precision, **options), env)
     if meta:  # FSDP: rank 0 reads the weights, the others only build shapes
         model = impl.load_model(model_dir)
         assert all(p.is_meta for p in model.parameters()) == (env.rank > 0)
@@ -87,7 +85,7 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
         impl.checkpoint_activations(model)
     model = impl.wrap(model)
     optimizer = impl.build_optimizer(model, lr)
-    impl.comm_bytes()  # what wrapping sent is not a step's
+    impl.take_comm_bytes()  # what wrapping sent is not a step's
     losses, grad_norms, comm_bytes, memory = [], [], [], []
     for step in range(steps):
         global_ids = sampler.global_batch(step)
@@ -97,11 +95,11 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
         loss_sum = finetune.train_step(model, impl, micro_batches, num_targets, env.world_size)
         grad_norms.append(impl.clip_grad_norm_(model, 1.0))  # of the averaged gradient, before clipping
         optimizer.step()
-        memory.append(memory_measure.model_state_bytes(model, optimizer))  # after the step, before zero_grad
+        memory.append(measure.model_state_bytes(model, optimizer))  # after the step, before zero_grad
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / num_targets)
-        comm_bytes.append(impl.comm_bytes())
+        comm_bytes.append(impl.take_comm_bytes())
     flats = _flats(model, strategy)
     result = {
         "losses": losses, "grad_norms": grad_norms, "comm_bytes": comm_bytes, "memory": memory,
@@ -115,3 +113,38 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
         result.update(max_unsharded=model.max_unsharded, unsharded_after=model.unsharded,
                       num_layer_units=len(model.layer_units))
     return result
+
+
+def sharded_optimizer_matches_its_inner_optimizer(steps=5):
+    """ZeRO-1 used as an optimizer alone (`zero.ShardedOptimizer`), around AdamW and around SGD
+    with momentum, against the same optimizer unsharded. Every rank computes the same gradient
+    here (the same batch, no averaging needed), so the two must agree to rounding; each rank
+    keeps the optimizer state of its shard only."""
+    import copy
+
+    from torch import nn
+
+    from minidist.parallel.options import ADAMW_BETAS
+    from minidist.parallel.zero import ShardedOptimizer
+
+    env = get_env()
+    results = {}
+    for name, cls, kwargs in [("AdamW", torch.optim.AdamW, dict(lr=1e-2, betas=ADAMW_BETAS, weight_decay=0.1)),
+                              ("SGD", torch.optim.SGD, dict(lr=1e-2, momentum=0.9))]:
+        torch.manual_seed(0)  # the same model on every rank
+        reference = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))  # odd sizes: padded shards
+        sharded = copy.deepcopy(reference)
+        plain = cls(reference.parameters(), **kwargs)
+        zero1 = ShardedOptimizer(sharded.parameters(), cls, bucket_cap_mb=400 / 2**20, **kwargs)  # 400 bytes
+        data = torch.Generator().manual_seed(1)  # the same batches on every rank
+        for _ in range(steps):
+            x = torch.randn(8, 7, generator=data)
+            for model, optimizer in ((reference, plain), (sharded, zero1)):
+                optimizer.zero_grad()
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+        diff = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), sharded.parameters()))
+        state = sum(t.numel() for s in zero1.state.values() for t in s.values() if t.dim() > 0)
+        results[name] = {"max_diff": diff, "state_numel": state, "num_buckets": len(zero1.buckets),
+                         "numel": sum(p.numel() for p in reference.parameters()), "rank": env.rank}
+    return results

@@ -8,7 +8,7 @@ Experiences on Scaling Fully Sharded Data Parallel", VLDB), keeps only 1/N of th
 **Units.** A wrap policy cuts the model into units: every module of a layer class (the decoder
 layers, `LlamaDecoderLayer` or `GPT2Block`), and the *root* unit with everything left over
 (embeddings, final norm, output layer). `unit_classes=()` (the loop's `--no_layer_wrap_policy`)
-makes the whole model one unit. Each unit's parameters become one `FlatParameter` (`zero.py`):
+makes the whole model one unit. Each unit's parameters are laid out by one `flat.FlatLayout`:
 flattened, padded to a multiple of N, cut into N shards. Rank r keeps shard r as an fp32
 `nn.Parameter`, `flat_param`, registered on the unit's module: it is what the optimizer updates,
 and all that lives between steps. The original parameters are removed from their modules.
@@ -21,8 +21,11 @@ and all that lives between steps. The original parameters are removed from their
 3. *before its backward* (a hook on the gradient of the unit's output) the shards are gathered
    again, into the same storage, so the views autograd saved are valid again;
 4. *after its backward* (autograd has accumulated the gradient of the full flat buffer) the
-   gradient is reduce-scattered: rank r gets the sum of its shard, averaged, in `flat_param.grad`;
-   the full gradient and the gathered weights are freed.
+   gathered weights are freed and the gradient's reduce-scatter is launched, asynchronously:
+   rank r will get the sum of its shard, averaged, in `flat_param.grad`. Here this code falls
+   short of PyTorch's FSDP: it waits for every unit's reduce-scatter only when the whole backward
+   is over (`pending`), so each unit's full gradient (in the reduction's dtype) stays alive until
+   then, a full model's worth of gradients at the end of backward instead of a unit or two.
 Bytes per rank per step: all-gather P + all-gather P + reduce-scatter P, each (N-1)/N: 3P(N-1)/N,
 1.5x DDP's 2P(N-1)/N. (PyTorch's FSDP2 keeps the root unit gathered from forward to backward,
 saving one all-gather of it; here every unit follows the same four steps.) With gradient
@@ -40,8 +43,8 @@ all-gathered in bf16 (half the bytes and memory), forward and backward compute i
 gradient is reduce-scattered in `reduce_dtype` (fp32 by default) into the fp32 gradient shard.
 
 **Loading without N copies.** Only rank 0 needs the weights: the other ranks may build the model
-on the meta device (shapes, no memory; `Strategy.load_model` does this), and each unit is
-flattened on rank 0 and *scattered*, rank r receiving shard r. For CodeLlama-7b on a 4-GPU node:
+on the meta device (shapes, no memory; `strategy.MinidistFSDP.load_model` does this), and each
+unit is flattened on rank 0 and *scattered*, rank r receiving shard r. For CodeLlama-7b on a 4-GPU node:
 rank 0 holds the fp32 model in host memory (27 GB) plus one flattened unit (a decoder layer,
 202M parameters: 0.8 GB), the three other ranks hold nothing, and each GPU receives 6.7 GB of
 fp32 shards; if every rank loaded the model, the node would need 4 x 27 = 108 GB of host memory.
@@ -50,15 +53,13 @@ The learner's check that all this is right: `tests/test_zero_fsdp.py` trains it 
 single process on the whole batch and finds the same losses and weights.
 """
 
-from contextlib import contextmanager
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from minidist import comm
-from minidist.precision import MixedPrecision, for_reduction
-from minidist.zero import FlatParameter, clip_sharded_grad_norm_, gathered_parameters
+from minidist.parallel import comm
+from minidist.parallel.flat import Flat, FlatLayout, clip_sharded_grad_norm_, gather_parameters, scatter_flat
+from minidist.parallel.precision import MixedPrecision, for_reduction
+from minidist.parallel.wrapper import DataParallelWrapper, weak_hook
 
 
 class Unit:
@@ -71,23 +72,21 @@ class Unit:
             raise ValueError(f"minidist FSDP shards trainable parameters only; {type(module).__name__} has frozen ones")
         index = {id(p): k for k, p in enumerate(params)}
         self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots]
-        self.flat = FlatParameter(params, fsdp.world_size, fsdp.rank)
+        self.layout = FlatLayout(params, fsdp.world_size, fsdp.rank)
         # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
-        shard = torch.empty(self.flat.shard_numel, dtype=torch.float32, device=device)
-        chunks = None
-        if fsdp.rank == 0:
-            chunks = list(self.flat.flatten(params, torch.float32).to(device).chunk(fsdp.world_size))
-        comm.scatter(shard, chunks, src=fsdp.src, group=fsdp.group)
+        shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
+        whole = self.layout.flatten(params, torch.float32) if fsdp.rank == 0 else None
+        scatter_flat(self.layout, whole, shard, group=fsdp.group)
         self.flat_param = nn.Parameter(shard)
         module.register_parameter("flat_param", self.flat_param)
         for owner, attr, _, _ in self.slots:
             del owner._parameters[attr]  # from now on a plain attribute, set to a view when gathered
         # The full flat buffer: a leaf that requires grad, so autograd accumulates the gradient of
         # every view of it into full.grad, in one tensor. Its storage is freed when not in use.
-        self.full = torch.empty(self.flat.padded_numel, dtype=fsdp.mp.param_dtype, device=device, requires_grad=True)
+        self.full = torch.empty(self.layout.padded_numel, dtype=fsdp.mp.param_dtype, device=device, requires_grad=True)
         self._data = self.full.data  # same storage, own version counter: gathering into it is no
         self._free_storage()  # "in-place modification" in autograd's eyes
-        self.full.register_post_accumulate_grad_hook(self._post_backward)
+        self.full.register_post_accumulate_grad_hook(weak_hook(self._post_backward))
         self.handle = self._send = None
         self.state = "sharded"  # "gathering" (all-gather in flight), "gathered"
         self.gathered_for_backward = False
@@ -97,7 +96,7 @@ class Unit:
         """Start the all-gather of this unit (asynchronous); `wait` finishes it."""
         if self.state != "sharded":
             return
-        self._data.untyped_storage().resize_(self.flat.padded_numel * self._data.element_size())
+        self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
         self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)  # bf16: half the bytes
         self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
         self.state = "gathering"
@@ -111,7 +110,7 @@ class Unit:
 
     def use_views(self) -> None:
         """Point every module attribute at its slice of the full buffer (fresh views each forward)."""
-        views = self.flat.views(self.full)
+        views = self.layout.views(self.full)
         for owner, attr, _, k in self.slots:
             setattr(owner, attr, views[k])
 
@@ -156,7 +155,7 @@ class Unit:
             grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
             full.grad = None
             grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
-            out = torch.empty(self.flat.shard_numel, dtype=grad.dtype, device=grad.device)
+            out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
             handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True)
             self.fsdp.pending.append((self, handle, out, grad))
         self.free()  # no_sync: full.grad stays and the next backward adds to it
@@ -170,17 +169,18 @@ class Unit:
             self.flat_param.grad += out
 
 
-class FullyShardedDataParallel(nn.Module):
-    """ZeRO-3 around a model: units by layer class, flat shards, gather and free, prefetch."""
+class FullyShardedDataParallel(DataParallelWrapper):
+    """ZeRO-3 around a model: units by layer class, flat shards, gather and free, prefetch.
+
+    Its parameters are the units' fp32 shards (`flat_param`), so a plain optimizer over
+    `model.parameters()` steps each rank's shard only."""
 
     def __init__(self, module: nn.Module, unit_classes=(), mixed_precision: MixedPrecision = MixedPrecision(),
                  device: torch.device | None = None, process_group=None):
-        super().__init__()
-        self.module, self.mp, self.group = module, mixed_precision, process_group
-        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        self.src = dist.get_global_rank(process_group, 0) if process_group else 0
+        super().__init__(module, process_group)
+        self.mp = mixed_precision
         device = device or torch.device("cpu")
-        self.require_sync, self.in_backward, self.pending = True, False, []
+        self.in_backward, self.pending = False, []
         self.unsharded = self.max_unsharded = 0
         # The wrap policy: outermost modules of the given classes, in registration order.
         unit_modules = {}
@@ -205,12 +205,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def _materialize_buffers(self, device) -> None:
         """Buffers (rotary frequencies, ...) are small: rank 0's go to every rank, as in DDP."""
-        for owner in self.module.modules():
-            for name, buf in owner._buffers.items():
-                if buf is not None:
-                    buf = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
-                    comm.broadcast(buf, src=self.src, group=self.group)
-                    owner._buffers[name] = buf
+        slots = [(m, name) for m in self.module.modules() for name, buf in m._buffers.items() if buf is not None]
+        for m, name in slots:
+            buf = m._buffers[name]
+            m._buffers[name] = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
+        self.broadcast_from_first_rank([m._buffers[name] for m, name in slots])
 
     def forward(self, *args, **kwargs):
         self.in_backward = False
@@ -262,32 +261,26 @@ class FullyShardedDataParallel(nn.Module):
         self.unsharded += change
         self.max_unsharded = max(self.max_unsharded, self.unsharded)
 
-    # ------------------------------------------------------------------ what the loop calls
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside only accumulate local gradients; nothing is sent."""
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = True
-
-    def build_optimizer(self, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-        """Plain AdamW over the flat fp32 shards: each rank's moments are for its shard only."""
-        return torch.optim.AdamW([u.flat_param for u in self.units], lr=lr, betas=(0.9, 0.95),
-                                 weight_decay=weight_decay)
-
+    # ------------------------------------------------------------------ what the strategy reads
     def clip_grad_norm_(self, max_norm: float) -> float:
         return clip_sharded_grad_norm_([u.flat_param.grad for u in self.units if u.flat_param.grad is not None],
                                        max_norm, self.group)
 
+    def flats(self) -> list[Flat]:
+        out = []
+        for unit in self.units:
+            names = [[] for _ in unit.layout.shapes]
+            for _, _, name, k in unit.slots:
+                names[k].append(name)  # a tied weight: each of its names
+            out.append(Flat(unit.layout, unit.flat_param, [tuple(n) for n in names]))
+        return out
+
+    def refresh_weights(self) -> None:
+        """Nothing to do after loading shards: every unit is gathered from them before each use."""
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The fp32 weights by their original names, on every rank (every rank calls it)."""
-        full = {}
-        for unit in self.units:
-            views = gathered_parameters(unit.flat, unit.flat_param, self.group)
-            full.update({name: views[k] for _, _, name, k in unit.slots})
-        return full
+        return gather_parameters(self.flats(), self.group)
 
 
 def _slots(module: nn.Module, prefix: str, claimed: set) -> list:

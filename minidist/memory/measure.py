@@ -1,4 +1,4 @@
-"""Measure what one rank holds, term by term, to hold `minidist.memory`'s estimate to account.
+"""Measure what one rank holds, term by term, to hold `estimator.py`'s estimate to account.
 
 On a GPU the truth is the caching allocator's counter, `torch.cuda.max_memory_allocated`: every
 byte PyTorch handed out, at its highest. The CPU has no such counter (the process's resident
@@ -22,6 +22,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from minidist.parallel.wrapper import DataParallelWrapper
 
 TERMS = ("parameters", "gradients", "optimizer_states", "activations", "peak")
 
@@ -53,7 +55,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     extra = [p for group in optimizer.param_groups for p in group["params"] if all(p is not q for q in params)]
     states = [t for state in optimizer.state.values() for t in state.values()]
     # ZeRO-2 keeps its gradient shards outside any .grad, and says where.
-    shards = model.gradient_shards() if hasattr(model, "gradient_shards") else []
+    shards = model.gradient_shards() if isinstance(model, DataParallelWrapper) else []
     counted = set()
     return {"parameters": storage_bytes(params, counted),
             "gradients": storage_bytes([p.grad for p in params + extra] + shards, counted),

@@ -1,17 +1,16 @@
 """The memory estimate as people read it: a table for one case, a README table, other estimators.
 
-`minidist.memory` computes the terms; this module turns them into what the command prints
-(`python -m minidist.memory ...`), with `--gpu_memory` (does it fit, the largest batch that
-does) and `--readme_table`, and sets them beside what `accelerate` and DeepSpeed would say.
+`estimator.py` computes the terms; this module turns them into what the command prints
+(`python -m minidist.memory ...`, in `__main__.py`), with `--gpu_memory` (does it fit, the
+largest batch that does) and `--readme_table`, and sets them beside what `accelerate` and
+DeepSpeed would say.
 """
 
-import argparse
-import json
 import re
-from dataclasses import asdict
+from dataclasses import replace
 
-from minidist import memory
-from minidist.memory import GB, STRATEGIES, Setup, Shape, check_setup, estimate, largest_batch, model_shape
+from minidist.memory.estimator import GB, Setup, Shape, as_dict, estimate, largest_batch, setup
+from minidist.parallel.options import STRATEGIES
 
 
 def others(s: Shape, setup: Setup) -> dict:
@@ -28,7 +27,7 @@ def others(s: Shape, setup: Setup) -> dict:
     p, n = s.num_params, setup.world_size
     deepspeed = {"zero2": 2 * p + 18 * p // n, "fsdp": 4 * s.largest_module_params + 18 * p // n}.get(setup.strategy)
     size = s.base_params * s.config_dtype_bytes
-    return {"accelerate": (2 if setup.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed}
+    return {"accelerate": (2 if setup.options.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed}
 
 
 def parse_bytes(text: str) -> float:
@@ -52,7 +51,7 @@ LABELS = {
 def report(s: Shape, setup: Setup, gpu_memory: float | None = None) -> dict:
     """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say."""
     result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
-              "exact": s.model_type == "llama", "setup": asdict(setup), "bytes": estimate(s, setup)}
+              "exact": s.model_type == "llama", "setup": as_dict(setup), "bytes": estimate(s, setup)}
     if gpu_memory is not None:
         result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
                       largest_batch_per_device=largest_batch(s, setup, gpu_memory))
@@ -94,8 +93,9 @@ def readme_table(s: Shape, base: Setup, gpu_memory: float, world_sizes=(1, 4, 8)
             "checkpointing | accelerate | DeepSpeed |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for n in world_sizes:
         for strategy in STRATEGIES:
-            plain, ckpt = (report(s, Setup(**{**asdict(base), "strategy": strategy, "world_size": n, "impl": "torch",
-                                               "batch_size_per_device": 1, "gradient_checkpointing": c}), gpu_memory)
+            plain, ckpt = (report(s, replace(setup(**{**as_dict(base), "strategy": strategy, "impl": "torch",
+                                                        "gradient_checkpointing": c}), world_size=n,
+                                                batch_size_per_device=1), gpu_memory)
                            for c in (False, True))
             b, o = plain["bytes"], plain["others"]
             states = b["parameters"] + b["gradients"] + b["optimizer_states"]
@@ -104,35 +104,3 @@ def readme_table(s: Shape, base: Setup, gpu_memory: float, world_sizes=(1, 4, 8)
                         f"{ckpt['largest_batch_per_device'] or '-'} | {o['accelerate'] / GB:.1f} GB | "
                         + (f"{o['deepspeed'] / GB:.1f} GB |" if o["deepspeed"] else "- |"))
     return "\n".join(rows)
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m minidist.memory", description=memory.__doc__.split("\n")[0])
-    p.add_argument("model", help="hub name or local folder with a config.json (the tiny Llama: ~/.cache/minidist/tiny-llama)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="fsdp")
-    p.add_argument("--impl", choices=("torch", "minidist"), default="torch", help="zero1/zero2 are always minidist")
-    p.add_argument("--world_size", type=int, default=1)
-    p.add_argument("--batch_size_per_device", type=int, default=1)
-    p.add_argument("--max_seq_length", type=int, default=512)
-    p.add_argument("--mixed_precision", choices=("bf16", "fp32"), default="bf16", help="bf16 as on the GPUs (finetune's default is fp32)")
-    p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--no_layer_wrap_policy", action="store_true", help="FSDP: the whole model is one unit")
-    p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
-    args = p.parse_args(argv)
-    setup = Setup(args.strategy, args.world_size, args.batch_size_per_device, args.max_seq_length,
-                  args.mixed_precision, args.gradient_checkpointing, not args.no_layer_wrap_policy, args.impl)
-    try:
-        gpu_memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-        check_setup(setup)
-        if args.readme_table and gpu_memory is None:
-            raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
-        shape = model_shape(args.model)
-    except (ValueError, FileNotFoundError) as err:
-        p.exit(2, f"minidist.memory: error: {err}\n")
-    if args.readme_table:
-        print(readme_table(shape, setup, gpu_memory))
-        return
-    r = report(shape, setup, gpu_memory)
-    print(json.dumps(r, indent=1) if args.json else format_report(r))

@@ -24,7 +24,7 @@ nccl-tests/doc/PERFORMANCE.md uses the same factors). So a DDP step sends 2(N-1)
 per rank for P fp32 gradients, whether N is 2 or 1,000.
 
 The wrappers below call ``torch.distributed`` (which picks its own algorithm) and count the bytes
-the ring would send, into a per-process ``counter`` that the training loop reads once per step
+the ring would send, into a per-process ``counter`` that the training loop takes once per step
 (``comm_bytes`` in metrics.jsonl): the algorithm's cost, not a measurement of the wire. A library
 may send more: on CPU, gloo's reduce-scatter sends 2(N-1)/N x S, as much as its all-reduce
 (lesson 01 measures it), so there ZeRO's and FSDP's real traffic exceeds ``comm_bytes``.
@@ -32,35 +32,39 @@ may send more: on CPU, gloo's reduce-scatter sends 2(N-1)/N x S, as much as its 
 to show there is no magic in the library call.
 """
 
+from fractions import Fraction
+
 import torch
 import torch.distributed as dist
 
 
 class ByteCounter:
-    """Bytes this rank would send under the ring algorithm, summed since the last ``reset``.
+    """Bytes this rank would send under the ring algorithm, summed since the last ``take``.
 
-    The fractions (N-1)/N are kept exact: the counter adds (N-1) x size and divides by N only
-    when read, so a step's total equals the formula 2·P·(N-1)/N x bytes exactly, not up to
-    rounding.
+    The fractions (N-1)/N are kept exact (``Fraction``), so a step's total equals the formula
+    2·P·(N-1)/N x bytes exactly, not up to rounding, even when collectives run over groups of
+    different sizes (a shard group and a replicate group: ``mesh.py``).
     """
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self._times_world = 0  # bytes x N, so that every term is an integer
-        self._world = 1
+        self._sent = Fraction(0)
 
     def add(self, rounds: int, nbytes: int, world_size: int) -> None:
-        """``rounds`` ring rounds (N-1 or 2(N-1)), each sending 1/N of ``nbytes``."""
-        if self._times_world and world_size != self._world:
-            raise ValueError("one counter counts one process group; reset it before switching groups")
-        self._world = world_size
-        self._times_world += rounds * nbytes
+        """``rounds`` ring rounds (N-1 or 2(N-1)) over a group of N ranks, each sending 1/N of ``nbytes``."""
+        self._sent += Fraction(rounds * nbytes, world_size)
 
     @property
     def bytes_sent(self) -> float:
-        return self._times_world / self._world
+        return float(self._sent)
+
+    def take(self) -> float:
+        """The bytes counted since the last ``take``; the count starts again from zero."""
+        sent = self.bytes_sent
+        self.reset()
+        return sent
 
 
 counter = ByteCounter()  # one per process: each rank counts what it sends
@@ -102,8 +106,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None):
 
 
 def scatter(output: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0, group=None):
-    """Rank ``src`` sends ``chunks[r]`` to rank r, which receives it in ``output``. Used once, when
-    FSDP shards a model that only rank ``src`` has loaded; not part of a step's count."""
+    """Rank ``src`` sends ``chunks[r]`` to rank r, which receives it in ``output``. Used when FSDP
+    shards a model that only rank ``src`` has loaded, and to load a full checkpoint into flat
+    shards (``flat.scatter_flat``); not part of a step's count."""
     return dist.scatter(output, chunks if dist.get_rank() == src else None, src=src, group=group)
 
 

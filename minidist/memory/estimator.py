@@ -5,8 +5,8 @@
 
 The model is built from its config on the meta device (shapes, no storage, no weights read), so
 P counts every parameter once, a tied embedding included. Sizes are bytes; 1 GB = 1e9 bytes.
-`minidist.memory_measure` measures the same terms in the training loop; tests/test_memory.py
-holds the two together. `minidist.memory_report` prints them (the command above).
+`measure.py` measures the same terms in the training loop; tests/test_memory.py holds the two
+together. `report.py` prints them (the command above, in `__main__.py`).
 
 **Model states** (Rajbhandari et al. 2020, "ZeRO", section 3). AdamW keeps two moments per
 parameter; with fp32 parameters and gradients that is 4 + 4 + 8 = 16 bytes per parameter.
@@ -63,15 +63,15 @@ Korthikanti et al.'s GPT layer, 34 s b h + 5 a s^2 b bytes in 16 bits, an approx
 """
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
+from minidist.parallel.options import STRATEGIES, ParallelOptions
+
 GB = 1e9
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-BUCKET_BYTES = 25 * 2**20  # one flat gradient bucket of the hand-written ZeRO (`--bucket_cap_mb 25`)
-BUNDLED = {"codellama/CodeLlama-7b-hf": Path(__file__).parent / "configs" / "codellama-7b"}
+BUNDLED = {"codellama/CodeLlama-7b-hf": Path(__file__).parent.parent / "configs" / "codellama-7b"}
 
 
 @dataclass(frozen=True)
@@ -141,28 +141,41 @@ def model_shape(name_or_path: str) -> Shape:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Setup:
-    """One training configuration, named as `minidist.finetune`'s flags."""
+    """One training configuration: the run's parallel options and the sizes of a step."""
 
-    strategy: str = "fsdp"
+    options: ParallelOptions = ParallelOptions(mixed_precision="bf16")
     world_size: int = 1
     batch_size_per_device: int = 1
     max_seq_length: int = 512
-    mixed_precision: str = "bf16"
-    gradient_checkpointing: bool = False
-    layer_wrap_policy: bool = True
-    impl: str = "torch"  # torch has DDP and FSDP; zero1 and zero2 exist only by hand (minidist)
     padded: bool = True  # right-padded batches: SDPA gets (and saves) a mask
 
-    def __post_init__(self):
-        if self.strategy in ("zero1", "zero2"):
-            self.impl = "minidist"  # PyTorch has no ZeRO-1/2 of its own: the hand-written one
+    @property
+    def strategy(self) -> str:
+        return self.options.strategy
+
+
+def setup(world_size=1, batch_size_per_device=1, max_seq_length=512, padded=True, **options) -> Setup:
+    """A Setup named as `minidist.finetune`'s flags: `setup(strategy="ddp", world_size=4)`.
+
+    The options not given are ParallelOptions' defaults, except bf16, as on the GPUs. zero1 and
+    zero2 exist only by hand, so for them `impl` is minidist whatever was asked."""
+    options = {"mixed_precision": "bf16", **options}
+    if options.get("strategy") in ("zero1", "zero2"):
+        options["impl"] = "minidist"
+    return Setup(ParallelOptions(**options), world_size, batch_size_per_device, max_seq_length, padded)
+
+
+def as_dict(setup: Setup) -> dict:
+    """The setup as one flat dict of flag names (options and sizes), for reports and JSON."""
+    sizes = {f.name: getattr(setup, f.name) for f in fields(setup) if f.name != "options"}
+    return {**asdict(setup.options), **sizes}
 
 
 def compute_mode(setup: Setup) -> str:
     """fp32; autocast (bf16 matmuls over fp32 weights: DDP); bf16 (the weights themselves are bf16)."""
-    if setup.mixed_precision == "fp32":
+    if setup.options.mixed_precision == "fp32":
         return "fp32"
     return "autocast" if setup.strategy == "ddp" else "bf16"
 
@@ -170,7 +183,7 @@ def compute_mode(setup: Setup) -> str:
 def shard_numel(s: Shape, setup: Setup) -> int:
     """Elements of one rank's shard: FSDP2 takes ceil(rows/N) rows of every tensor, a flat shard 1/N."""
     n = setup.world_size
-    if setup.strategy == "fsdp" and setup.impl == "torch":
+    if setup.strategy == "fsdp" and setup.options.impl == "torch":
         return sum(math.ceil(rows / n) * (numel // rows) for rows, numel in s.param_rows)
     return math.ceil(s.num_params / n)
 
@@ -178,7 +191,7 @@ def shard_numel(s: Shape, setup: Setup) -> int:
 def model_states(s: Shape, setup: Setup) -> dict:
     """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
     k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
-    zero_paper = setup.mixed_precision == "bf16" and k in ("zero1", "zero2")
+    zero_paper = setup.options.mixed_precision == "bf16" and k in ("zero1", "zero2")
     w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8)
     return {
         "parameters": w * (shard if k == "fsdp" else full),
@@ -215,12 +228,12 @@ def activations(s: Shape, setup: Setup) -> dict:
     shared = 2 * t * s.head_dim * r + (b * t * t if setup.padded else 0)  # cos and sin; the boolean mask
     head = (12 + (4 + r + c) * s.hidden_size) * tokens  # input ids; final norm; output layer's input
     loss = (4 * s.vocab_size + 8) * targets + 4  # fp32 log-probabilities, targets, the count
-    layers = s.num_layers * (r * s.hidden_size * tokens if setup.gradient_checkpointing else per_layer)
+    layers = s.num_layers * (r * s.hidden_size * tokens if setup.options.gradient_checkpointing else per_layer)
     copies = 0
     if mode == "autocast":  # bf16 weight copies live until backward; checkpointed layers recast theirs
-        copies = 2 * (s.head_linear_params + (0 if setup.gradient_checkpointing else s.num_layers * s.layer_linear_params))
+        copies = 2 * (s.head_linear_params + (0 if setup.options.gradient_checkpointing else s.num_layers * s.layer_linear_params))
     recompute = 0
-    if setup.gradient_checkpointing:  # one layer's activations again, and under autocast its weight copies
+    if setup.options.gradient_checkpointing:  # one layer's activations again, and under autocast its weight copies
         recompute = per_layer + (2 * s.layer_linear_params if mode == "autocast" else 0)
     return {"saved": layers + shared + head + loss, "per_layer": per_layer, "weight_copies": copies,
             "recompute": recompute, "logits": 8 * tokens * s.vocab_size}
@@ -231,7 +244,7 @@ def buffers(s: Shape, setup: Setup) -> dict:
     k, mode = setup.strategy, compute_mode(setup)
     c = 4 if mode == "fp32" else 2
     gathered = 0
-    if k == "fsdp" and setup.layer_wrap_policy and s.layer_params:
+    if k == "fsdp" and setup.options.layer_wrap_policy and s.layer_params:
         # root params and grads; a layer and the prefetched next; its gradient and fp32 reduce input
         gathered = 2 * c * s.root_params + (3 * c + 4) * s.layer_params
     elif k == "fsdp":
@@ -239,7 +252,9 @@ def buffers(s: Shape, setup: Setup) -> dict:
     # DDP's buckets hold a copy of every fp32 gradient (`--ddp_variant naive` has none).
     # ZeRO-1 casts one bucket at a time for its fp32 reduce-scatter; ZeRO-2 has two in flight, one
     # being filled while the other is on the wire.
-    buckets = {"ddp": 4 * s.num_params, "zero1": BUCKET_BYTES, "zero2": 2 * BUCKET_BYTES}.get(k, 0)
+    bucket = int(setup.options.value("bucket_cap_mb") * 2**20)  # one flat gradient bucket of ZeRO
+    naive = setup.options.impl == "minidist" and setup.options.value("ddp_variant") == "naive"
+    buckets = {"ddp": 0 if naive else 4 * s.num_params, "zero1": bucket, "zero2": 2 * bucket}.get(k, 0)
     updated = s.num_params if k == "ddp" else shard_numel(s, setup)  # what this rank's AdamW steps
     return {"gathered_units": gathered, "buckets": buckets, "optimizer_step": 4 * updated}
 
@@ -257,7 +272,7 @@ def estimate(s: Shape, setup: Setup) -> dict:
 
 def largest_batch(s: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) -> int:
     """The largest batch per device whose estimated peak fits in `gpu_memory` (0: not even 1)."""
-    fits = lambda b: estimate(s, Setup(**{**asdict(setup), "batch_size_per_device": b}))["peak"] <= gpu_memory
+    fits = lambda b: estimate(s, replace(setup, batch_size_per_device=b))["peak"] <= gpu_memory
     lo, hi = 0, 1
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
@@ -269,18 +284,10 @@ def largest_batch(s: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) 
 
 
 def check_setup(setup: Setup) -> None:
-    if setup.strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {setup.strategy!r}: choose from {STRATEGIES}")
+    """Raise ValueError, naming the flag, for a setup no run could have."""
+    setup.options.check()
     for name in ("world_size", "batch_size_per_device"):
         if getattr(setup, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(setup, name)}")
     if setup.max_seq_length < 2:
         raise ValueError(f"--max_seq_length must be at least 2, got {setup.max_seq_length}")
-    if setup.mixed_precision not in ("bf16", "fp32"):
-        raise ValueError(f"--mixed_precision must be bf16 or fp32, got {setup.mixed_precision!r}")
-
-
-if __name__ == "__main__":  # the command lives with the report it prints
-    from minidist.memory_report import main
-
-    main()

@@ -1,0 +1,10 @@
+"""Memory: where the bytes of a training step go, estimated before a run and measured during it.
+
+- `estimator.py`: the estimate for any model, strategy and batch, from the config alone
+  (the model is built on the meta device: no weights are read).
+- `measure.py`: what the training loop records each step, term by term, on every rank.
+- `report.py`: the estimate as people read it: a table, a README table, other estimators' figures.
+- `__main__.py`: the command, `python -m minidist.memory MODEL --strategy fsdp --world_size 4 ...`.
+
+Nothing is imported here: `import minidist.memory.measure` (the loop's) does not load the estimator.
+"""

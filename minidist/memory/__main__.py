@@ -1,0 +1,45 @@
+"""`python -m minidist.memory MODEL ...`: the estimate of one rank's peak memory, as a table.
+
+The flags are the training loop's own (`ParallelOptions`, plus the sizes of a step), so a line
+that trains can be estimated by changing `-m minidist.finetune` into `-m minidist.memory MODEL`.
+"""
+
+import argparse
+import json
+from dataclasses import fields
+
+from minidist.memory import estimator, report
+from minidist.parallel.options import ParallelOptions
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m minidist.memory", description=estimator.__doc__.split("\n")[0])
+    p.add_argument("model", help="hub name or local folder with a config.json (the tiny Llama: ~/.cache/minidist/tiny-llama)")
+    p.add_argument("--world_size", type=int, default=1)
+    p.add_argument("--batch_size_per_device", type=int, default=1)
+    p.add_argument("--max_seq_length", type=int, default=512)
+    p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
+    ParallelOptions.add_arguments(p)  # the loop's own flags: --strategy, --impl, --mixed_precision, ...
+    p.set_defaults(mixed_precision="bf16")  # as on the GPUs (finetune's default is fp32)
+    args = p.parse_args(argv)
+    options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
+    try:
+        setup = estimator.setup(args.world_size, args.batch_size_per_device, args.max_seq_length, **options)
+        gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        estimator.check_setup(setup)
+        if args.readme_table and gpu_memory is None:
+            raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
+        shape = estimator.model_shape(args.model)
+    except (ValueError, NotImplementedError, FileNotFoundError) as err:
+        p.exit(2, f"minidist.memory: error: {err}\n")
+    if args.readme_table:
+        print(report.readme_table(shape, setup, gpu_memory))
+        return
+    r = report.report(shape, setup, gpu_memory)
+    print(json.dumps(r, indent=1) if args.json else report.format_report(r))
+
+
+if __name__ == "__main__":
+    main()

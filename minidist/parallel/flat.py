@@ -1,0 +1,114 @@
+"""The flat layout ZeRO and FSDP share: many parameters in one padded buffer, cut into N shards.
+
+Collectives move one contiguous tensor at a time, and each call has a start-up cost. So the
+sharded strategies pack the parameters of a bucket (ZeRO) or a unit (FSDP) end to end into one
+flat buffer, pad it with fewer than N zeros so that it splits into N equal shards, and give
+rank r shard r:
+
+    parameters  [ q.weight | k.weight | v.weight | ... ]           numel elements
+    padded      [ ..................................... |0 0]       padded_numel = N x shard_numel
+    shards      [ rank 0 ][ rank 1 ][ rank 2 ][ rank 3 ]           rank r: [r S, (r+1) S)
+
+Each parameter is then a *view* of its slice of the full buffer: writing into the buffer (an
+all-gather, say) writes the parameter, with no copy. This is the layout of PyTorch's FSDP1
+(whose `FlatParameter` is the flat buffer itself, an `nn.Parameter`); here `FlatLayout` only
+*describes* where things sit, and each strategy decides which tensors follow it.
+
+A shard is cut as `torch.chunk` cuts: ceil(numel / N) elements per rank. So a checkpoint can
+describe rank r's shard as rows [r S, (r+1) S) of the unpadded flat (`sharded_state.py`).
+
+The helpers below move whole flats between ranks for saving, loading and sharding a model that
+only rank 0 has read: not training steps, so they are not counted in the step's bytes.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist.parallel import comm
+
+
+class FlatLayout:
+    """Where each of several parameters sits in one flat buffer, padded and cut into N shards."""
+
+    def __init__(self, params: list[torch.Tensor], world_size: int, rank: int):
+        self.shapes = [p.shape for p in params]
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        self.shard_numel = math.ceil(offset / world_size)
+        self.padded_numel = self.shard_numel * world_size
+        self.shard_slice = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+    def flatten(self, tensors, dtype=None) -> torch.Tensor:
+        """One padded flat tensor holding `tensors` (in this layout's order)."""
+        flat = torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
+        return nn.functional.pad(flat, (0, self.padded_numel - self.numel))
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of `flat`, in its own shape: writing to one writes to `flat`."""
+        return [flat[o:o + shape.numel()].view(shape) for o, shape in zip(self.offsets, self.shapes)]
+
+    def valid(self, rank: int) -> int:
+        """How many of rank `rank`'s shard elements are real parameters (the rest is padding)."""
+        return max(0, min(self.shard_numel, self.numel - rank * self.shard_numel))
+
+
+@dataclass
+class Flat:
+    """One flat as a wrapper hands it out (`flats()`): to save, load, clip and gather it."""
+
+    layout: FlatLayout
+    shard: nn.Parameter  # this rank's fp32 shard: the master weights the optimizer updates
+    names: list[tuple[str, ...]]  # the name(s) of each parameter in the layout (a tied one has several)
+
+    @property
+    def key(self) -> str:
+        return self.names[0][0]
+
+
+@torch.no_grad()
+def gather_flat(layout: FlatLayout, shard: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's fp32 `shard` all-gathered: the whole flat, padded, on every rank."""
+    full = torch.empty(layout.padded_numel, dtype=torch.float32, device=shard.device)
+    dist.all_gather_into_tensor(full, shard.detach().float().contiguous(), group=group)
+    return full
+
+
+@torch.no_grad()
+def scatter_flat(layout: FlatLayout, full: torch.Tensor | None, out: torch.Tensor, group=None) -> None:
+    """The group's first rank's `full` (flat, padded or not) cut into shards; this rank's into `out`."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    chunks = None
+    if dist.get_rank() == src:
+        padded = nn.functional.pad(full.float().reshape(-1), (0, layout.padded_numel - full.numel()))
+        chunks = list(padded.to(out.device).chunk(layout.padded_numel // layout.shard_numel))
+    received = torch.empty(layout.shard_numel, dtype=torch.float32, device=out.device)
+    comm.scatter(received, chunks, src=src, group=group)
+    out.copy_(received)
+
+
+def gather_parameters(flats: list[Flat], group=None) -> dict[str, torch.Tensor]:
+    """The fp32 weights by name, all-gathered from the shards (every rank calls it; all get them)."""
+    full = {}
+    for flat in flats:
+        views = flat.layout.views(gather_flat(flat.layout, flat.shard, group))
+        full.update({name: view for names, view in zip(flat.names, views) for name in names})
+    return full
+
+
+def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> float:
+    """Clip by the norm of the whole gradient when each rank holds a shard of it: each rank sums
+    the squares of its own elements (padding is zero), one all-reduce of one number adds them up."""
+    total = torch.stack([g.float().pow(2).sum() for g in shards]).sum()
+    dist.all_reduce(total, group=group)  # a single number: not counted in the step's bytes
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
+    for g in shards:
+        g.mul_(scale.to(g.dtype))
+    return float(norm)

@@ -1,0 +1,101 @@
+"""The parallel options of a run, in one place: one dataclass, built once from the command line.
+
+    options = ParallelOptions.from_args(args)   # finetune.py, after ParallelOptions.add_arguments(parser)
+    strategy = get_strategy(options, env)       # strategy.py reads it
+    estimate(shape, Setup(options=options, ...))  # memory/estimator.py reads the same object
+
+Each field is one flag of `python -m minidist.finetune`. Its metadata says what the flag's help
+is, which values it takes, and which strategies it applies to; `add_arguments` and `check` read
+that, so **adding an option touches its field here and the code that uses it**, nothing else.
+
+The options that only the hand-written strategies have (`reduce_dtype`, `bucket_cap_mb`,
+`ddp_variant`) default to None, "not given": a learner who gives one where it does nothing (to
+PyTorch's FSDP, say) is told so, instead of being silently ignored. `value` reads an option
+with its default filled in.
+
+The next options have their homes ready: CPU offload (a `cpu_offload` field, read by the FSDPs)
+and hybrid sharding (a `replicate` field, read by `mesh.py`, which already names the shard and
+replicate dimensions). Neither is built yet, so neither is a flag yet.
+"""
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+IMPLEMENTATIONS = ("minidist", "torch")
+DTYPES = ("fp32", "bf16")
+DDP_VARIANTS = ("bucketed", "naive")
+EVERY = ("minidist", "torch"), STRATEGIES  # (implementations, strategies) an option applies to
+
+# AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
+# Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them.
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def _option(default, help, choices=None, applies=EVERY, flag_type=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "applies": applies, "type": flag_type})
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How the model is spread over the ranks and how it computes: every parallel option of a run."""
+
+    strategy: str = _option("fsdp", "how the model states are spread over the ranks", STRATEGIES)
+    impl: str = _option("torch", "minidist (by hand) or torch (PyTorch's own, the reference)", IMPLEMENTATIONS)
+    layer_wrap_policy: bool = _option(True, "FSDP: one unit per decoder layer (off: the whole model is one unit)",
+                                      applies=(IMPLEMENTATIONS, ("fsdp",)))
+    mixed_precision: str = _option("fp32", "the compute dtype of forward and backward (masters stay fp32)", DTYPES)
+    gradient_checkpointing: bool = _option(False, "recompute each decoder layer in backward instead of saving it")
+    reduce_dtype: str | None = _option(None, "the dtype gradients are summed in (default fp32)", DTYPES,
+                                       (("minidist",), STRATEGIES))
+    bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB (default 25)",
+                                          applies=(("minidist",), ("ddp", "zero1", "zero2")), flag_type=float)
+    ddp_variant: str | None = _option(None, "bucketed (the default) or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
+
+    DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed"}
+
+    def value(self, name: str):
+        """The option as the strategy uses it: what was given, or its default."""
+        given = getattr(self, name)
+        return self.DEFAULTS.get(name) if given is None else given
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}/{self.strategy}"
+
+    def check(self) -> "ParallelOptions":
+        """Raise ValueError (one line, naming the flag) for a value or a combination that cannot run."""
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"--{f.name} must be one of {', '.join(choices)}, got {value!r}")
+        if self.impl == "torch" and self.strategy in ("zero1", "zero2"):
+            raise NotImplementedError(f"PyTorch has no {self.strategy} of its own (its ZeroRedundancyOptimizer is "
+                                      f"ZeRO-1 for DDP only): use --impl minidist --strategy {self.strategy}")
+        for f in fields(self):
+            impls, strategies = f.metadata["applies"]
+            if f.default is None and getattr(self, f.name) is not None and (
+                    self.impl not in impls or self.strategy not in strategies):
+                raise ValueError(f"--{f.name} only applies to --impl {' or '.join(impls)} with --strategy "
+                                 f"{' or '.join(strategies)}, not {self.name}")
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            raise ValueError(f"--bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        return self
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """One flag per field: `--strategy`, `--no_layer_wrap_policy` for a True flag, `--gradient_checkpointing`."""
+        for f in fields(ParallelOptions):
+            help, choices = f.metadata["help"], f.metadata["choices"]
+            if f.default is True:
+                parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=help)
+            elif f.default is False:
+                parser.add_argument(f"--{f.name}", action="store_true", help=help)
+            else:
+                parser.add_argument(f"--{f.name}", default=f.default, choices=choices, help=help,
+                                    type=f.metadata["type"] or str)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ParallelOptions":
+        """The options from parsed flags (`add_arguments`), checked."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)}).check()

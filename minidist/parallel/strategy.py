@@ -1,0 +1,287 @@
+"""Strategies: how the model's state is spread over the ranks, behind one small interface.
+
+The training loop in `finetune.py` never asks which strategy it runs. It picks one by name and
+implementation from `STRATEGY_CLASSES` (a dict: `get_strategy(options, env)`), then calls:
+
+    model = strategy.load_model(name)           # FSDP by hand: the weights on rank 0 only
+    strategy.checkpoint_activations(model)      # with --gradient_checkpointing
+    model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP)
+    optimizer = strategy.build_optimizer(model, lr, weight_decay)
+    with strategy.no_sync(model):               # micro-batches that only accumulate
+        loss.backward()
+    strategy.clip_grad_norm_(model, max_norm); optimizer.step()
+
+and, to save, `strategy.full_state_dict(model)` (the weights) or `strategy.get_state_dict` and
+`set_state_dict` (model and optimizer, for checkpoints: `state.py`). Each strategy is a name
+(`ddp`, `zero1`, `zero2`, `fsdp`) and an implementation: `torch` (PyTorch's own
+DistributedDataParallel and FSDP2 `fully_shard`, the reference) or `minidist` (written by hand
+in `ddp.py`, `zero.py` and `fsdp.py`, checked against the reference). What a strategy reads is
+a `ParallelOptions` (`options.py`) and a `DataParallelMesh` (`mesh.py`: its process groups).
+
+`Strategy` itself is what a model replicated on every rank needs (both DDPs): one class per
+strategy below overrides only what it does differently. ZeRO and FSDP by hand share
+`ShardedByHand`: optimizer states live in flat shards, which clipping, saving and loading reach
+through the wrapper's `flats()`.
+
+Both implementations *average* gradients over ranks, as PyTorch's DDP does. The loop divides
+each rank's summed token loss by the token count of the whole global batch and multiplies by
+the world size, so the average of the ranks' gradients is the gradient of the global batch.
+"""
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from minidist.parallel import comm, precision
+from minidist.parallel.mesh import DataParallelMesh, data_parallel_mesh
+from minidist.parallel.options import ADAMW_BETAS, ParallelOptions
+
+
+class Strategy:
+    """The interface, and what a model that every rank holds whole needs (DDP)."""
+
+    autocast_weights = False  # True: fp32 weights, bf16 matmuls under autocast (DDP; precision.py)
+
+    def __init__(self, options: ParallelOptions, env, mesh: DataParallelMesh | None = None):
+        self.options, self.env, self._mesh = options, env, mesh
+        self.mp = precision.policy(options.mixed_precision, options.value("reduce_dtype"))
+
+    @property
+    def mesh(self) -> DataParallelMesh:
+        """The process groups this strategy communicates over (read when it first communicates)."""
+        if self._mesh is None:
+            self._mesh = data_parallel_mesh()
+        return self._mesh
+
+    def load_model(self, name_or_path: str) -> nn.Module:
+        """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
+        from minidist import models
+
+        return models.load_model(name_or_path)
+
+    def checkpoint_activations(self, model: nn.Module) -> None:
+        """Recompute each decoder layer in backward (`--gradient_checkpointing`): by hand
+        (`recompute.py`) for minidist, transformers' own for the PyTorch reference."""
+        if self.options.impl == "minidist":
+            from minidist.parallel.recompute import checkpoint_layers
+
+            checkpoint_layers(model, wrap_policy_classes(model))
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The Hugging Face model inside the wrapper (for `save_pretrained`, `config`)."""
+        return model.module
+
+    def build_optimizer(self, model, lr, weight_decay=0.0) -> torch.optim.Optimizer:
+        # Frozen parameters get no optimizer state at all: that is where LoRA saves its memory.
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay)
+
+    def no_sync(self, model):
+        """Inside this context backward only accumulates local gradients: no communication."""
+        return model.no_sync()
+
+    def autocast(self):
+        """The compute precision of forward and backward, where the weights stay fp32 (DDP)."""
+        return precision.autocast(self.mp, self.env.device) if self.autocast_weights else nullcontext()
+
+    def take_comm_bytes(self) -> float | None:
+        """Bytes this rank sent for gradients and parameters since the last call (the count then
+        starts again), counted by `comm.py` under the ring algorithm; None for PyTorch's own
+        strategies, which do not go through `comm.py`."""
+        return comm.counter.take() if self.options.impl == "minidist" else None
+
+    def clip_grad_norm_(self, model, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+
+    def full_state_dict(self, model) -> dict | None:
+        """The whole model's weights on rank 0, on the CPU (None on other ranks). Every rank calls it."""
+        if not self.env.is_main:
+            return None
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def get_state_dict(self, model, optimizer, full: bool) -> tuple[dict, dict]:
+        """The model's and the optimizer's state for a checkpoint (`state.py`), keyed by parameter name.
+
+        full=True: whole tensors on rank 0's CPU, empty dicts elsewhere. full=False: each rank's
+        own shards (DTensors where sharded), which DCP writes in parallel and reshards on load.
+        PyTorch's helpers handle plain modules, DDP and FSDP2; the strategies that shard by hand
+        (`ShardedByHand`) hand out and take back their flat shards instead."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        return get_state_dict(self.unwrap(model), optimizer, options=options)
+
+    def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full: bool) -> None:
+        """Load what `get_state_dict` gave; full=True: rank 0 holds it and broadcasts, the others pass {}."""
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        options = dsd.StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
+        # Two calls, not set_state_dict: it would take the empty model dict of ranks > 0 to mean
+        # "optimizer only", and those ranks would skip the broadcasts rank 0 sends.
+        dsd.set_optimizer_state_dict(self.unwrap(model), optimizer, optim_state_dict, options=options)
+        dsd.set_model_state_dict(self.unwrap(model), model_state_dict, options=options)
+
+
+class TorchDDP(Strategy):
+    """PyTorch's DistributedDataParallel: every rank holds everything; gradients all-reduced."""
+
+    autocast_weights = True
+
+    def wrap(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to(self.env.device)
+        device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=self.mesh.group)
+
+
+class MinidistDDP(Strategy):
+    """The hand-written DDP of `ddp.py`: bucketed with overlap, or naive (`--ddp_variant naive`)."""
+
+    autocast_weights = True
+
+    def wrap(self, model):
+        from minidist.parallel import ddp
+
+        model = model.to(self.env.device)
+        # DDP's gradients have the fp32 parameters' dtype (fp64 in a test): reduced as they are,
+        # unless --reduce_dtype bf16 asks for half the bytes.
+        reduce_dtype = precision.reduction_dtype(next(model.parameters()).dtype, self.mp)
+        if self.options.value("ddp_variant") == "naive":
+            return ddp.NaiveDDP(model, self.mesh.group, reduce_dtype=reduce_dtype)
+        return ddp.BucketedDDP(model, self.mesh.group, self.options.value("bucket_cap_mb"), reduce_dtype)
+
+
+class ShardedByHand(Strategy):
+    """ZeRO and FSDP by hand: the optimizer steps flat fp32 shards (`flat.py`), and clipping,
+    saving and loading work on them. The parameters carry the compute dtype: no autocast."""
+
+    def clip_grad_norm_(self, model, max_norm):
+        return model.clip_grad_norm_(max_norm)  # the norm of a gradient that is sharded: flat.py
+
+    def full_state_dict(self, model):
+        full = model.full_parameters()  # every rank takes part in the gathers
+        return {k: v.detach().cpu().clone() for k, v in full.items()} if self.env.is_main else None
+
+    def get_state_dict(self, model, optimizer, full):
+        from minidist import sharded_state
+
+        return sharded_state.get_state_dict(model, optimizer, full, self.env, self.mesh)
+
+    def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
+        from minidist import sharded_state
+
+        sharded_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
+
+
+class MinidistZeRO(ShardedByHand):
+    """ZeRO stage 1 (`--strategy zero1`) or 2 (`zero2`): the model wrapped by `zero.ZeroDP`, the
+    optimizer `zero.ShardedOptimizer` over its buckets."""
+
+    def wrap(self, model):
+        from minidist.parallel.zero import ZeroDP
+
+        stage = int(self.options.strategy[-1])
+        return ZeroDP(model.to(self.env.device), stage, self.mp, self.options.value("bucket_cap_mb"),
+                      self.mesh.shard_group)
+
+    def build_optimizer(self, model, lr, weight_decay=0.0):
+        from minidist.parallel.zero import ShardedOptimizer
+
+        return ShardedOptimizer(model.buckets, torch.optim.AdamW, model.group, lr=lr, betas=ADAMW_BETAS,
+                                weight_decay=weight_decay)
+
+
+class MinidistFSDP(ShardedByHand):
+    """FSDP (ZeRO-3) by hand: one unit per decoder layer and the root, or one unit in all. The
+    wrapped model's parameters are its fp32 shards, so `Strategy.build_optimizer` fits as it is."""
+
+    def load_model(self, name_or_path):
+        """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
+        no memory) and receive their shards when `wrap` scatters them."""
+        if self.env.rank == 0:
+            return super().load_model(name_or_path)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name_or_path), dtype=torch.float32)
+
+    def wrap(self, model):
+        from minidist.parallel.fsdp import FullyShardedDataParallel
+
+        classes = wrap_policy_classes(model) if self.options.layer_wrap_policy else ()
+        return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group)
+
+
+class TorchFSDP(Strategy):
+    """PyTorch's FSDP2 (`fully_shard`): one unit per decoder layer, then the root for the rest."""
+
+    def wrap(self, model):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs = {"mesh": self.mesh.shard_device_mesh()}
+        if self.options.mixed_precision == "bf16":
+            # Parameters are all-gathered in bf16, gradients reduce-scattered in fp32.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.options.layer_wrap_policy:
+            classes = wrap_policy_classes(model)
+            for module in model.modules():
+                if type(module).__name__ in classes:
+                    fully_shard(module, **kwargs)
+        # The root unit holds what is left (embeddings, final norm, output layer). fully_shard
+        # moves each shard onto the mesh's device, so the full model never sits on one GPU.
+        fully_shard(model, **kwargs)
+        return model
+
+    def unwrap(self, model):
+        return model  # fully_shard changes the model in place: there is no wrapper
+
+    @contextmanager
+    def no_sync(self, model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def full_state_dict(self, model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Gathers one tensor at a time to rank 0's CPU memory: no GPU ever holds the whole model.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return state if self.env.is_main else None
+
+
+def wrap_policy_classes(model: nn.Module) -> set[str]:
+    """The layer classes that become FSDP units: the model's repeated blocks.
+
+    Hugging Face models list them in `_no_split_modules` (`LlamaDecoderLayer`, `GPT2Block`),
+    the same list `accelerate` uses to place whole blocks on one device.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(f"{type(model).__name__} names no layer class in _no_split_modules; use --no_layer_wrap_policy")
+    return names
+
+
+# Which class runs which strategy: (implementation, name) -> class. PyTorch has no ZeRO-1/2 of its own.
+STRATEGY_CLASSES = {
+    ("torch", "ddp"): TorchDDP, ("torch", "fsdp"): TorchFSDP,
+    ("minidist", "ddp"): MinidistDDP, ("minidist", "zero1"): MinidistZeRO, ("minidist", "zero2"): MinidistZeRO,
+    ("minidist", "fsdp"): MinidistFSDP,
+}
+
+
+def get_strategy(options: ParallelOptions, env, mesh: DataParallelMesh | None = None) -> Strategy:
+    """The strategy `options` name, on the process groups of `mesh` (default: every rank data-parallel).
+    Raises ValueError or NotImplementedError, in one line naming the flag, for options that cannot run."""
+    options.check()
+    return STRATEGY_CLASSES[(options.impl, options.strategy)](options, env, mesh)

@@ -1,0 +1,257 @@
+"""ZeRO-1 and ZeRO-2 by hand: stop replicating what each rank does not need.
+
+DDP keeps everything on every rank. With AdamW and mixed precision that is 16 bytes per
+parameter: 2 for the bf16 weight, 2 for its gradient, 12 for the fp32 master weight and the two
+Adam moments. But after the gradients are averaged, all N ranks run the *same* optimizer step on
+the *same* numbers. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", SC20) splits that work: rank r updates only shard r of the
+parameters, so it needs the optimizer states of shard r only.
+
+**Flat shards.** The trainable parameters are packed, in the order backward produces their
+gradients, into buckets of about `bucket_cap_mb` (`FlatBucket`). Each bucket is one flat buffer
+laid out by a `flat.FlatLayout`: padded to a multiple of N and cut into N equal shards; rank r
+owns shard r of every bucket (its fp32 master weights and Adam moments, `master`).
+
+**ZeRO-1 is an optimizer change.** Steps 3 and 4 below need nothing from the model:
+`ShardedOptimizer(params, torch.optim.AdamW, lr=...)` wraps any `torch.optim` class, as PyTorch's
+`ZeroRedundancyOptimizer` does, and can follow any way of averaging the gradients (plain DDP, or
+one process). `ZeroDP` adds what ZeRO-1 and ZeRO-2 do in backward (steps 1 and 2) and hands
+its buckets to the same optimizer.
+
+**A ZeRO-1 step** (stage 1, optimizer states sharded):
+1. forward and backward as in DDP; every rank's gradients land in flat gradient buffers (each
+   `param.grad` is a view of one), so every rank holds the whole local gradient;
+2. when backward is over, each bucket is *reduce-scattered*: rank r receives the sum over ranks
+   of shard r. An all-reduce is a reduce-scatter followed by an all-gather (`comm.py`); rank r
+   only needs its own shard of the sum, so it stops halfway;
+3. rank r steps AdamW on its shard: fp32 master += update;
+4. the updated shards are *all-gathered* into every rank's parameters: the second half of the
+   all-reduce, done on weights instead of gradients.
+Bytes per rank per step: P(N-1)/N for the reduce-scatter + P(N-1)/N for the all-gather =
+2P(N-1)/N elements, exactly what DDP's all-reduce sends. Sharding the optimizer is free.
+
+**ZeRO-2** (stage 2, gradients sharded too) does the same with one change: a bucket is
+reduce-scattered as soon as backward has filled it (from gradient hooks, while backward goes on,
+as the bucketed DDP does), and its full gradient is then dropped. A rank keeps only the gradient
+of its shard. Same bytes on the wire, less memory, communication overlapped with backward.
+
+**Memory per rank**, P parameters, N ranks (padding aside), AdamW:
+
+    mixed precision (bf16 weights and gradients, fp32 master, m, v)    fp32 (the weights are the masters)
+    DDP     2P + 2P + 12P   = 16P                                       4P + 4P + 8P   = 16P
+    ZeRO-1  2P + 2P + 12P/N = 4P + 12P/N                                4P + 4P + 8P/N = 8P + 8P/N
+    ZeRO-2  2P + 2P/N + 12P/N = 2P + 14P/N                              4P + 4P/N + 8P/N = 4P + 12P/N
+
+In fp32 the master *is* the shard of the model's own flat buffer (a view, no copy). In bf16 the
+gradients are summed in `reduce_dtype` (fp32 by default: the bucket is cast for the collective)
+and the sum is kept in the gradient's own dtype, bf16; the optimizer gets an fp32 copy of its
+shard's gradient for the step only. With gradient accumulation, `no_sync()` micro-batches add
+into the local gradients without communication; ZeRO-2 then holds full gradients until the last
+micro-batch, as PyTorch's FSDP does with `set_requires_gradient_sync(False)`.
+
+`flat.py`'s layout is shared with `fsdp.py`, which shards the parameters themselves (ZeRO-3).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist.parallel import comm
+from minidist.parallel.flat import Flat, FlatLayout, clip_sharded_grad_norm_, gather_parameters
+from minidist.parallel.precision import MixedPrecision, for_reduction
+from minidist.parallel.wrapper import DataParallelWrapper, GradientCount, pack_buckets, weak_hook
+
+
+class FlatBucket:
+    """The parameters of one flat buffer and what ZeRO keeps for them on this rank."""
+
+    def __init__(self, params, world_size: int, rank: int, param_dtype: torch.dtype):
+        self.params = params
+        self.layout = FlatLayout(params, world_size, rank)
+        data = self.layout.flatten(params, torch.float32)  # the full fp32 weights, for a moment
+        if param_dtype == torch.float32:
+            self.weights = data  # the model's parameters become views of it; the master is its shard
+            self.master = nn.Parameter(data[self.layout.shard_slice])
+        else:
+            self.weights = data.to(param_dtype)
+            self.master = nn.Parameter(data[self.layout.shard_slice].clone())
+        for p, view in zip(params, self.layout.views(self.weights)):
+            p.data = view  # the same Parameter object (hooks, names), its storage now the flat buffer
+        self.grad = None  # ZeRO-1: the full flat gradient; ZeRO-2: the flat gradient of a backward, briefly
+        self.grad_shard = None  # ZeRO-2: the summed gradient of this rank's shard, kept
+        self.pending = len(params)  # gradients still to come in this backward
+        self.handle = None  # ZeRO-2: the asynchronous reduce-scatter, once launched
+        self.reduced = None  # its output
+
+    def own_gradient(self) -> torch.Tensor:
+        """The summed gradient of this rank's shard, in the gradient's dtype."""
+        if self.grad_shard is not None:  # ZeRO-2
+            return self.grad_shard
+        if self.grad is not None:  # ZeRO-1: the reduce-scatter wrote it into the flat gradient
+            return self.grad[self.layout.shard_slice]
+        # ShardedOptimizer alone: the parameters' own (already averaged) gradients, our slice of them
+        out = torch.zeros(self.layout.shard_numel, dtype=self.weights.dtype, device=self.weights.device)
+        start, stop = self.layout.shard_slice.start, self.layout.shard_slice.stop
+        for p, offset in zip(self.params, self.layout.offsets):
+            lo, hi = max(offset, start), min(offset + p.numel(), stop)
+            if lo < hi and p.grad is not None:
+                out[lo - start:hi - start] = p.grad.reshape(-1)[lo - offset:hi - offset]
+        return out
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if self.grad is not None:  # ZeRO-1: each param.grad is a view of it, kept for the next step
+            self.grad.zero_()
+        elif set_to_none:
+            for p in self.params:
+                p.grad = None
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+
+    @torch.no_grad()
+    def refresh_weights(self, group) -> None:
+        """Every rank's weights from the masters: after a step, or after loading a checkpoint."""
+        mine = self.weights[self.layout.shard_slice]
+        if mine.data_ptr() != self.master.data_ptr():
+            mine.copy_(self.master)  # bf16: the updated master, rounded, into the model's weights
+        comm.all_gather(self.weights, mine.clone(), group=group)  # everyone's updated shards
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: any `torch.optim` optimizer, each rank stepping only its shard of the parameters.
+
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+
+    The parameters are packed into flat buckets (their storage becomes the buckets'); rank r
+    keeps fp32 masters and optimizer states for shard r only. `step` gives each master the
+    gradient of its shard (the parameters' gradients must already be averaged over the ranks, as
+    after DDP; `ZeroDP` reduce-scatters them itself), steps `optimizer_class` on the masters, and
+    all-gathers the updated shards into every rank's parameters. `param_groups` and `state` are
+    the inner optimizer's, so learning-rate schedulers and checkpoints see the masters."""
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, bucket_cap_mb: float = 25.0,
+                 **defaults):
+        params = list(params)
+        if params and isinstance(params[0], FlatBucket):  # ZeroDP's buckets, already laid out
+            self.buckets = params
+        else:
+            world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+            trainable = [p for p in params if p.requires_grad]
+            with torch.no_grad():
+                self.buckets = [FlatBucket(run, world, rank, run[0].dtype)
+                                for run in pack_buckets(trainable, int(bucket_cap_mb * 2**20))]
+        self.group = process_group
+        self.optimizer = optimizer_class([b.master for b in self.buckets], **defaults)
+        super().__init__([b.master for b in self.buckets], self.optimizer.defaults)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one set, shared
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for bucket in self.buckets:  # fp32 for the update (a view when the gradient already is)
+            bucket.master.grad = bucket.own_gradient().to(torch.float32)
+        loss = self.optimizer.step(closure)
+        for bucket in self.buckets:
+            bucket.master.grad = None
+            bucket.refresh_weights(self.group)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for bucket in self.buckets:
+            bucket.zero_grad(set_to_none)
+
+
+class ZeroDP(DataParallelWrapper):
+    """ZeRO stage 1 or 2 around a model: wrap, then `ShardedOptimizer(model.buckets, ...)`, train as usual."""
+
+    def __init__(self, module: nn.Module, stage: int, mixed_precision: MixedPrecision = MixedPrecision(),
+                 bucket_cap_mb: float = 25.0, process_group=None):
+        super().__init__(module, process_group)
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage must be 1 or 2 (stage 3 is FSDP, fsdp.py), got {stage}")
+        self.stage, self.mp = stage, mixed_precision
+        self.broadcast_from_first_rank([*module.parameters(), *module.buffers()])  # start equal, as in DDP
+        # Reverse registration order: roughly the order backward produces gradients.
+        self.params = [p for p in module.parameters() if p.requires_grad][::-1]
+        with torch.no_grad():
+            self.buckets = [FlatBucket(run, self.world_size, self.rank, mixed_precision.param_dtype)
+                            for run in pack_buckets(self.params, int(bucket_cap_mb * 2**20))]
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for p in (p for p in module.parameters() if not p.requires_grad):
+            p.data = p.data.to(mixed_precision.param_dtype)  # frozen weights: computed with, never updated
+        if stage == 1:  # every rank keeps the whole local gradient in flat buffers; param.grad are views
+            for bucket in self.buckets:
+                bucket.grad = torch.zeros_like(bucket.weights)
+                for p, view in zip(bucket.params, bucket.layout.views(bucket.grad)):
+                    p.grad = view  # autograd adds into an existing .grad in place
+        self.count = GradientCount(module, self.params, "ZeRO")
+        self._in_flight: list[FlatBucket] = []  # ZeRO-2: the bucket whose reduce-scatter is on the wire
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
+
+    def forward(self, *args, **kwargs):
+        self.count.check_complete()
+        return self.module(*args, **kwargs)
+
+    # ------------------------------------------------------------------ backward: reduce-scatter
+    def _on_grad_ready(self, param) -> None:
+        if not self.require_sync:
+            return  # accumulation: the gradient stays local, in param.grad
+        bucket, i = self._slot[id(param)]
+        if self.stage == 2:  # copy into the bucket's flat buffer, in the dtype of the reduction
+            if bucket.grad is None:
+                bucket.grad = torch.zeros(bucket.layout.padded_numel, dtype=self.mp.reduce_dtype, device=param.device)
+            offset = bucket.layout.offsets[i]
+            bucket.grad[offset:offset + param.numel()].copy_(param.grad.view(-1))
+            param.grad = None  # the full gradient of this parameter is gone
+        bucket.pending -= 1
+        if self.stage == 2 and bucket.pending == 0:  # full: send it now, while backward goes on
+            for earlier in self._in_flight:  # at most two flat gradients alive: the one filling, the one sent
+                self._keep_shard(earlier)
+            bucket.reduced = torch.empty(bucket.layout.shard_numel, dtype=self.mp.reduce_dtype, device=param.device)
+            bucket.handle = comm.reduce_scatter(bucket.reduced, bucket.grad, group=self.group, async_op=True)
+            self._in_flight = [bucket]
+        if self.count.add(param):  # backward is over
+            self._finish_reduction()
+
+    def _finish_reduction(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            if self.stage == 1:  # once backward is over, one bucket after the other
+                reduced = torch.empty(bucket.layout.shard_numel, dtype=self.mp.reduce_dtype, device=bucket.grad.device)
+                comm.reduce_scatter(reduced, for_reduction(bucket.grad, self.mp), group=self.group)
+                bucket.grad[bucket.layout.shard_slice].copy_(reduced.div_(self.world_size))  # sum -> average
+        for bucket in self._in_flight:
+            self._keep_shard(bucket)
+        self._in_flight = []
+
+    def _keep_shard(self, bucket: FlatBucket) -> None:
+        """ZeRO-2: wait for a bucket's reduce-scatter, keep its shard (averaged), drop the rest."""
+        bucket.handle.wait()
+        if bucket.grad_shard is None:
+            bucket.grad_shard = torch.empty(bucket.layout.shard_numel, dtype=self.mp.param_dtype,
+                                            device=bucket.reduced.device)
+        bucket.grad_shard.copy_(bucket.reduced.div_(self.world_size))
+        bucket.grad = bucket.reduced = bucket.handle = None  # only the shard's gradient stays
+
+    # ------------------------------------------------------------------ what the strategy reads
+    def refresh_weights(self) -> None:
+        """Every rank's weights from the masters (after loading a checkpoint into them)."""
+        for bucket in self.buckets:
+            bucket.refresh_weights(self.group)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group)
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+
+    def flats(self) -> list[Flat]:
+        names = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        return [Flat(b.layout, b.master, [tuple(names[id(p)]) for p in b.params]) for b in self.buckets]
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights by name, gathered from the masters (every rank calls it; all get them)."""
+        full = gather_parameters(self.flats(), self.group)
+        return {name: full[name] if name in full else p.detach().float()  # frozen: never sharded
+                for name, p in self.module.named_parameters(remove_duplicate=False)}
