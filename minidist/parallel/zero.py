@@ -126,7 +126,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     gradient of its shard (the parameters' gradients must already be averaged over the ranks, as
     after DDP; `ZeroDP` reduce-scatters them itself), steps `optimizer_class` on the masters, and
     all-gathers the updated shards into every rank's parameters. `param_groups` and `state` are
-    the inner optimizer's, so learning-rate schedulers and checkpoints see the masters."""
+    the inner optimizer's, so learning-rate schedulers and checkpoints see the masters. It takes
+    one group of parameters (no per-group options)."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, bucket_cap_mb: float = 25.0,
                  **defaults):
