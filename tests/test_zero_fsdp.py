@@ -318,3 +318,45 @@ def test_zero1_as_an_optimizer_wraps_any_torch_optimizer():
             # One shard per bucket, each at most one element of padding larger than half its bucket.
             half = states_per_parameter * (run["numel"] / 2 + run["num_buckets"])
             assert run["state_numel"] <= half, (name, run)
+
+
+def test_backward_through_the_views_of_a_flat_makes_one_full_size_tensor_not_one_per_weight():
+    """FSDP computes with views of its gathered flat buffer. Slicing gave each view a gradient the
+    size of the whole flat (zeros, then its piece), added k times for k weights: at 7B, gigabytes
+    of memory traffic per layer. A split's gradient is one concatenation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minidist.parallel.flat import FlatLayout
+
+    shapes = [(64, 32), (32,), (16, 64), (7,), (5, 3)]
+    layout = FlatLayout([torch.empty(s) for s in shapes], world_size=2, rank=0)
+    full = torch.zeros(layout.padded_numel, requires_grad=True)
+    loss = sum((view * 2).sum() for view in layout.views(full))
+
+    class CountFullSize(TorchDispatchMode):
+        """Counts the tensors of at least the flat's size that the ops under it produce."""
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs = out if isinstance(out, (tuple, list)) else [out]
+            self.count += sum(isinstance(t, torch.Tensor) and t.numel() >= layout.numel for t in outputs)
+            return out
+
+    with CountFullSize() as backward:
+        loss.backward()
+    assert torch.equal(full.grad[:layout.numel], torch.full((layout.numel,), 2.0))
+    assert backward.count <= 2, f"{backward.count} full-size tensors in backward for {len(shapes)} weights"
+
+
+def test_fsdp_keeps_at_most_two_full_unit_gradients_alive(model_dirs):
+    """Each unit's full gradient must go as soon as its reduce-scatter is done, not at the end of
+    backward: at 7B a whole model of fp32 gradients (27 GB per GPU) would otherwise pile up."""
+    from zero_fsdp_workers import fsdp_full_gradients_alive_at_once
+
+    for rank in launch(fsdp_full_gradients_alive_at_once, 2, model_dirs["llama4"], timeout_s=120):
+        assert rank["units"] == 5 and rank["reduced"], rank
+        assert rank["most"] <= 2, f"{rank['most']} of {rank['units']} full unit gradients alive at once"

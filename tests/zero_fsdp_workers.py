@@ -148,3 +148,33 @@ def sharded_optimizer_matches_its_inner_optimizer(steps=5):
         results[name] = {"max_diff": diff, "state_numel": state, "num_buckets": len(zero1.buckets),
                          "numel": sum(p.numel() for p in reference.parameters()), "rank": env.rank}
     return results
+
+
+def fsdp_full_gradients_alive_at_once(model_dir):
+    """The most full unit gradients alive at once during one backward of the hand-written FSDP,
+    counted with weak references: a gradient counts until nothing holds it any more."""
+    import weakref
+
+    from minidist import models
+    from minidist.parallel import fsdp
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    env = get_env()
+    alive, most = [], 0
+    post_backward = fsdp.Unit._post_backward
+
+    def watched(unit, full):
+        nonlocal most
+        alive.append(weakref.ref(full.grad))  # in fp32 it is the reduce-scatter's input itself
+        most = max(most, sum(ref() is not None for ref in alive))
+        post_backward(unit, full)
+
+    fsdp.Unit._post_backward = watched  # before wrapping: the units' hooks bind it then
+    try:
+        model = get_strategy(ParallelOptions("fsdp", "minidist"), env).wrap(models.load_model(model_dir))
+        ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(env.rank))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        fsdp.Unit._post_backward = post_backward
+    return {"most": most, "units": len(model.units), "reduced": all(u.flat_param.grad is not None for u in model.units)}

@@ -51,8 +51,16 @@ class FlatLayout:
         return nn.functional.pad(flat, (0, self.padded_numel - self.numel))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's slice of `flat`, in its own shape: writing to one writes to `flat`."""
-        return [flat[o:o + shape.numel()].view(shape) for o, shape in zip(self.offsets, self.shapes)]
+        """Each parameter's slice of `flat`, in its own shape: writing to one writes to `flat`.
+
+        The pieces come from one `split`, not one slice each. It matters when autograd goes
+        through them (FSDP's gathered unit): the gradient of a slice `flat[o:o+n]` is a zeroed
+        tensor the size of the whole flat with n elements written into it, and k such gradients
+        are then added, k full-size buffers for k weights; the gradient of a split is the pieces'
+        gradients concatenated, once. PyTorch's FSDP1 makes its views the same way."""
+        sizes = [shape.numel() for shape in self.shapes]
+        pieces = torch.split(flat, [*sizes, flat.numel() - self.numel])  # the last piece: padding
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
     def valid(self, rank: int) -> int:
         """How many of rank `rank`'s shard elements are real parameters (the rest is padding)."""

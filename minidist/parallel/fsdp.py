@@ -22,10 +22,9 @@ and all that lives between steps. The original parameters are removed from their
    again, into the same storage, so the views autograd saved are valid again;
 4. *after its backward* (autograd has accumulated the gradient of the full flat buffer) the
    gathered weights are freed and the gradient's reduce-scatter is launched, asynchronously:
-   rank r will get the sum of its shard, averaged, in `flat_param.grad`. Here this code falls
-   short of PyTorch's FSDP: it waits for every unit's reduce-scatter only when the whole backward
-   is over (`pending`), so each unit's full gradient (in the reduction's dtype) stays alive until
-   then, a full model's worth of gradients at the end of backward instead of a unit or two.
+   rank r will get the sum of its shard, averaged, in `flat_param.grad`. Then the previous
+   unit's reduce-scatter is waited for and its full gradient let go: at most two units' full
+   gradients are ever alive (one on the wire, one that autograd fills), not the whole model's.
 Bytes per rank per step: all-gather P + all-gather P + reduce-scatter P, each (N-1)/N: 3P(N-1)/N,
 1.5x DDP's 2P(N-1)/N. (PyTorch's FSDP2 keeps the root unit gathered from forward to backward,
 saving one all-gather of it; here every unit follows the same four steps.) With gradient
@@ -157,7 +156,9 @@ class Unit:
             grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
             out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
             handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True)
-            self.fsdp.pending.append((self, handle, out, grad))
+            for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
+                unit.finish_reduction(earlier, earlier_out)
+            self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
         self.free()  # no_sync: full.grad stays and the next backward adds to it
 
     def finish_reduction(self, handle, out) -> None:
@@ -236,11 +237,8 @@ class FullyShardedDataParallel(DataParallelWrapper):
         if isinstance(output, torch.Tensor):
             if output.requires_grad:
                 output.register_hook(hook)
-        elif isinstance(output, dict):
-            for value in output.values():
-                self.hook_outputs(value, hook)
-        elif isinstance(output, (tuple, list)):
-            for value in output:
+        elif isinstance(output, (dict, tuple, list)):  # a model output is a dict; a layer's, a tuple
+            for value in output.values() if isinstance(output, dict) else output:
                 self.hook_outputs(value, hook)
 
     def start_backward(self) -> None:
