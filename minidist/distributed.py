@@ -180,12 +180,30 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def init_distributed(timeout_s: float | None = None) -> DistEnv:
+def device_and_backend(local_rank: int, device_type: str | None = None) -> tuple[torch.device, str]:
+    """Where this rank computes and how it talks: a GPU and NCCL wherever CUDA is visible, else
+    the CPU and gloo; `device_type="cpu"` keeps a rank on the CPU even on a GPU node (what
+    `launch.py`'s CPU ranks ask for).
+
+    The GPU is `local_rank % device_count()`: torchrun shows each process every GPU of the node
+    (rank 3 takes cuda:3), but SLURM with `--gpus-per-task=1` shows each task only its own,
+    which is then cuda:0 for every task."""
+    if device_type not in (None, "cpu", "cuda"):
+        raise ValueError(f"device_type must be None, 'cpu' or 'cuda', got {device_type!r}")
+    if device_type != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    if device_type == "cuda":
+        raise RuntimeError("device_type='cuda' asked for, but this process sees no GPU")
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(timeout_s: float | None = None, device_type: str | None = None) -> DistEnv:
     """Join the process group described by the environment, once; return our DistEnv.
 
     Calling it again returns the existing group's DistEnv, so library code may call it
     without asking whether the script already did. ``timeout_s`` (else the environment
     variable MINIDIST_TIMEOUT_S, else 600 s) bounds how long a collective may wait.
+    ``device_type`` is ``device_and_backend``'s: None picks the GPU where there is one.
     """
     global _env
     if dist.is_initialized():
@@ -195,12 +213,11 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     if timeout_s is None:
         timeout_s = float(os.environ.get("MINIDIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
-    if torch.cuda.is_available():
+    device, backend = device_and_backend(where["local_rank"], device_type)
+    if device.type == "cuda":
         # One process per GPU: bind before any CUDA work, or every rank piles onto cuda:0.
-        torch.cuda.set_device(where["local_rank"])
-        device, backend = torch.device("cuda", where["local_rank"]), "nccl"
+        torch.cuda.set_device(device)
     else:
-        device, backend = torch.device("cpu"), "gloo"
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one laptop each default to all cores: share them out instead.
             torch.set_num_threads(max(1, _usable_cores() // where["local_world_size"]))
@@ -232,11 +249,9 @@ def get_env() -> DistEnv:
         return _env
     # The group was built by someone else (dist.init_process_group by hand): describe it.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    on_gpu = dist.get_backend() == "nccl"
+    device, _ = device_and_backend(local_rank, None if dist.get_backend() == "nccl" else "cpu")
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank,
-                   int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-                   torch.device("cuda", local_rank) if on_gpu else torch.device("cpu"),
-                   dist.get_backend())
+                   int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device, dist.get_backend())
 
 
 def device_mesh():

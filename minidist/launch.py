@@ -2,7 +2,8 @@
 
 On a cluster, ``torchrun`` or ``srun`` starts the processes. On a laptop we want the same
 thing from Python: ``launch(worker, 4)`` starts four processes, each one joins a gloo process
-group (through ``minidist.distributed.init_distributed``, exactly as under torchrun), runs
+group on the CPU, even on a node with GPUs (through ``minidist.distributed.init_distributed``,
+exactly as under torchrun), runs
 ``worker()``, and hands its return value back to us, ordered by rank.
 
 Three details make this reliable:
@@ -57,7 +58,7 @@ def _worker(rank, world_size, port, conn, fn, args, kwargs):
         MASTER_PORT=str(port),
     )
     try:
-        init_distributed()
+        init_distributed(device_type="cpu")  # CPU ranks on gloo, even on a node with GPUs
         # Pickle here, not in the pipe: an unpicklable result becomes a readable error.
         message = pickle.dumps(("ok", fn(*args, **kwargs), time.time()))
     except BaseException:  # SystemExit and KeyboardInterrupt are failures of the rank too

@@ -163,3 +163,32 @@ def test_init_distributed_world_1_is_idempotent(monkeypatch):
     with pytest.raises(RuntimeError, match="init_distributed"):
         get_env()
     cleanup()  # a second cleanup is harmless
+
+
+@pytest.mark.parametrize("device_type,backend,bound", [(None, "nccl", 0), ("cpu", "gloo", None)])
+def test_on_a_gpu_node_the_gpu_is_local_rank_modulo_the_gpus_seen_and_cpu_ranks_stay_on_gloo(
+        monkeypatch, device_type, backend, bound):
+    """Rank 1 of a node where SLURM shows each task one GPU (`--gpus-per-task=1`): its GPU is
+    cuda:0, not cuda:1, which does not exist for it. And `launch`'s CPU ranks (device_type="cpu")
+    stay on gloo there. CUDA and the group itself are stood in for: this machine has no GPU."""
+    for name in LAUNCH_VARS + ["SLURM_PROCID", "SLURM_NTASKS"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # no scontrol needed to find the host
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    bound_to, joined = [], {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: bound_to.append(torch.device(device).index))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
+    try:
+        env = init_distributed(**({} if device_type is None else {"device_type": device_type}))
+    finally:
+        monkeypatch.setattr(distributed, "_env", None)
+    assert joined["backend"] == backend and env.backend == backend and env.local_rank == 1
+    assert bound_to == ([] if bound is None else [bound])
+    assert env.device == (torch.device("cuda", bound) if bound is not None else torch.device("cpu"))
