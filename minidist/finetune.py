@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
     p.add_argument("--no_save", action="store_true", help="do not write the fine-tuned model")
+    p.add_argument("--save_dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="the saved model's dtype; auto: the one its config names (CodeLlama-7b: bf16), else fp32")
     p.add_argument("--save_steps", type=int, default=0,
                    help="write a checkpoint every N steps (0: only when SIGTERM or SIGUSR1 stops the run)")
     p.add_argument("--save_total_limit", type=int, default=2, help="keep the newest K checkpoints (0: keep all)")
@@ -88,6 +90,20 @@ def lr_schedule(step: int, args) -> float:
         return (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def saved_dtype(choice: str, name_or_path: str) -> torch.dtype:
+    """The dtype the final model is written in. `auto` keeps the model as it was published (the
+    `dtype` its config.json names: CodeLlama-7b is bf16, 13.5 GB on disk instead of 27 in fp32;
+    read from the file, as loading it in fp32 overwrites the loaded config's); a model whose
+    config names none is written in fp32, the dtype of the masters it was trained in."""
+    if choice != "auto":
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    from transformers import AutoConfig
+
+    named = getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
+    named = getattr(torch, named, None) if isinstance(named, str) else named
+    return named if isinstance(named, torch.dtype) else torch.float32
 
 
 def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
@@ -248,7 +264,13 @@ def train(args) -> dict:
         log.close()
         (out / "eval.json").write_text(json.dumps({k: results[k] for k in ("rate_before", "rate_after")}))
         if full_state is not None:
+            dtype = saved_dtype(args.save_dtype, args.model)
+            full_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state.items()}
             strategy.unwrap(model).save_pretrained(out / "model", state_dict=full_state)
+            # save_pretrained wrote the dtype of the model in memory (the fp32 masters, or none
+            # at all when FSDP holds them); from_pretrained(dtype="auto") reads this one.
+            config.dtype = dtype
+            config.save_pretrained(out / "model")
             tokenizer.save_pretrained(out / "model")
             say(f"saved the fine-tuned model to {out / 'model'}")
     results["parameters"] = full_state

@@ -54,15 +54,21 @@ def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]
     lr = torch.tensor([g["lr"] for g in optimizer.param_groups], dtype=torch.float64)
     group = mesh.shard_group
     if full:
-        weights = model.full_parameters()  # every rank joins the gathers
+        # Every rank joins the gathers, one flat at a time; only rank 0 keeps them, in CPU memory.
+        weights = model.full_parameters(keep=env.is_main)
         optim = {}
         for key, flat in flats:
             state = optimizer.state[flat.shard]
-            optim[key] = {m: gather_flat(flat.layout, state[m], group)[:flat.layout.numel].cpu() for m in MOMENTS}
-            optim[key]["step"] = state["step"].detach().cpu().clone()
+            for m in MOMENTS:
+                whole = gather_flat(flat.layout, state[m], group)
+                if env.is_main:
+                    optim.setdefault(key, {})[m] = whole[:flat.layout.numel].to("cpu", copy=True)
+                del whole
+            if env.is_main:
+                optim[key]["step"] = state["step"].detach().cpu().clone()
         if not env.is_main:
             return {}, {}
-        return {k: v.detach().cpu().clone() for k, v in weights.items()}, {"flats": optim, "lr": lr}
+        return weights, {"flats": optim, "lr": lr}
     device_mesh, rank = mesh.shard_device_mesh(), mesh.shard_rank
     model_sd = {key: _dtensor(flat.layout, flat.shard, device_mesh, rank) for key, flat in flats}
     optim = {}

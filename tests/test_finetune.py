@@ -8,6 +8,7 @@ and the same final weights.
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import sys
@@ -201,3 +202,22 @@ def test_a_finished_run_leaves_no_gloo_worker_thread_behind(tiny_model, tmp_path
              for impl, strategy in [("minidist", "ddp"), ("minidist", "zero1"), ("minidist", "zero2"),
                                     ("minidist", "fsdp"), ("torch", "ddp"), ("torch", "fsdp")]]
     assert launch(run_finetunes_then_leave, 2, argvs, timeout_s=300) == [0, 0]
+
+
+def test_the_final_model_is_saved_in_its_own_dtype_unless_asked_otherwise(tiny_model, tmp_path):
+    """A model published in bf16 (CodeLlama-7b) is written back in bf16, half the bytes of the
+    fp32 masters; one whose config names no dtype in fp32; `--save_dtype` chooses."""
+    games = tmp_path / "games.jsonl"
+    data.write_games(data.load_games(data.bundled_games("train"))[:16], games)
+    in_bf16 = tmp_path / "published-in-bf16"
+    shutil.copytree(tiny_model, in_bf16)
+    config = json.loads((in_bf16 / "config.json").read_text())
+    (in_bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    for model, flags, expected in [(tiny_model, [], torch.float32), (in_bf16, [], torch.bfloat16),
+                                   (in_bf16, ["--save_dtype", "fp32"], torch.float32),
+                                   (tiny_model, ["--save_dtype", "bf16"], torch.bfloat16)]:
+        out = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
+        finetune.main(["--model", str(model), "--data", str(games), "--max_steps", "1", "--max_seq_length", "16",
+                       "--batch_size_per_device", "2", "--eval_prefixes", "0", "--output_dir", str(out), *flags])
+        saved = AutoModelForCausalLM.from_pretrained(out / "model", dtype="auto")
+        assert {p.dtype for p in saved.parameters()} == {expected}, (model, flags)

@@ -178,3 +178,44 @@ def fsdp_full_gradients_alive_at_once(model_dir):
     finally:
         fsdp.Unit._post_backward = post_backward
     return {"most": most, "units": len(model.units), "reduced": all(u.flat_param.grad is not None for u in model.units)}
+
+
+def flats_alive_while_saving(model_dir):
+    """For FSDP and ZeRO-2 by hand: the most gathered flats alive at once while the strategy
+    collects the full weights (the final save) and a full checkpoint's state, and what each rank
+    ends up holding."""
+    import weakref
+
+    from minidist import models, sharded_state
+    from minidist.parallel import flat
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    env = get_env()
+    results = {}
+    for name in ("fsdp", "zero2"):
+        strategy = get_strategy(ParallelOptions(name, "minidist", **({} if name == "fsdp" else {"bucket_cap_mb": 0.05})),
+                                env)
+        model = strategy.wrap(models.load_model(model_dir))
+        optimizer = strategy.build_optimizer(model, 1e-3)
+        gathered, most = [], 0
+        real = flat.gather_flat
+
+        def watched(*args, **kwargs):
+            nonlocal most
+            out = real(*args, **kwargs)
+            gathered.append(weakref.ref(out))
+            most = max(most, sum(ref() is not None for ref in gathered))
+            return out
+
+        flat.gather_flat = sharded_state.gather_flat = watched
+        try:
+            weights = strategy.full_state_dict(model)
+            model_sd, optim_sd = strategy.get_state_dict(model, optimizer, full=True)
+        finally:
+            flat.gather_flat = sharded_state.gather_flat = real
+        results[name] = {"most": most, "flats": len(model.flats()), "gathers": len(gathered),
+                         "weights": None if weights is None else len(weights), "model_sd": len(model_sd),
+                         "optim_flats": len(optim_sd.get("flats", {})),
+                         "on_cpu": all(t.device.type == "cpu" for t in (weights or {}).values())}
+    return results

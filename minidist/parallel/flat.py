@@ -101,13 +101,27 @@ def scatter_flat(layout: FlatLayout, full: torch.Tensor | None, out: torch.Tenso
     out.copy_(received)
 
 
-def gather_parameters(flats: list[Flat], group=None) -> dict[str, torch.Tensor]:
-    """The fp32 weights by name, all-gathered from the shards (every rank calls it; all get them)."""
+def gather_parameters(flats: list[Flat], keep: bool, group=None) -> dict[str, torch.Tensor]:
+    """The fp32 weights by name, in CPU memory, on the ranks that `keep` them (the others get {}).
+
+    Every rank calls it: all take part in each all-gather. One flat at a time is gathered on the
+    device, copied out by the keeping ranks and let go before the next, so no rank ever holds
+    more than one flat of the model on its GPU (CodeLlama-7b: one 0.8 GB layer, not 27 GB)."""
     full = {}
     for flat in flats:
-        views = flat.layout.views(gather_flat(flat.layout, flat.shard, group))
-        full.update({name: view for names, view in zip(flat.names, views) for name in names})
+        gathered = gather_flat(flat.layout, flat.shard, group)
+        if keep:
+            full.update(_cpu_copies(flat, gathered))
+        del gathered  # gone before the next flat is gathered
     return full
+
+
+def _cpu_copies(flat: Flat, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A CPU copy of each parameter of a gathered flat, under each of its names (a tied weight has
+    several), as a plain state_dict holds them. copy=True: on a CPU rank `.cpu()` would hand back
+    the view itself, keeping the whole gathered flat alive."""
+    return {name: view.to("cpu", copy=True) for names, view in zip(flat.names, flat.layout.views(gathered))
+            for name in names}
 
 
 def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> float:

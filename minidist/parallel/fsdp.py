@@ -276,9 +276,10 @@ class FullyShardedDataParallel(DataParallelWrapper):
     def refresh_weights(self) -> None:
         """Nothing to do after loading shards: every unit is gathered from them before each use."""
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The fp32 weights by their original names, on every rank (every rank calls it)."""
-        return gather_parameters(self.flats(), self.group)
+    def full_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
+        """The fp32 weights by their original names on this rank's CPU if it `keep`s them, one
+        unit at a time (every rank calls it: `flat.gather_parameters`)."""
+        return gather_parameters(self.flats(), keep, self.group)
 
 
 def _slots(module: nn.Module, prefix: str, claimed: set) -> list:

@@ -167,8 +167,8 @@ class ShardedByHand(Strategy):
         return model.clip_grad_norm_(max_norm)  # the norm of a gradient that is sharded: flat.py
 
     def full_state_dict(self, model):
-        full = model.full_parameters()  # every rank takes part in the gathers
-        return {k: v.detach().cpu().clone() for k, v in full.items()} if self.env.is_main else None
+        full = model.full_parameters(keep=self.env.is_main)  # every rank takes part in the gathers
+        return full if self.env.is_main else None
 
     def get_state_dict(self, model, optimizer, full):
         from minidist import sharded_state

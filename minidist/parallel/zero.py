@@ -251,8 +251,12 @@ class ZeroDP(DataParallelWrapper):
             names.setdefault(id(p), []).append(name)
         return [Flat(b.layout, b.master, [tuple(names[id(p)]) for p in b.params]) for b in self.buckets]
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The fp32 weights by name, gathered from the masters (every rank calls it; all get them)."""
-        full = gather_parameters(self.flats(), self.group)
-        return {name: full[name] if name in full else p.detach().float()  # frozen: never sharded
+    def full_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
+        """The fp32 weights by name on this rank's CPU if it `keep`s them, gathered from the masters
+        one bucket at a time (every rank calls it: `flat.gather_parameters`)."""
+        full = gather_parameters(self.flats(), keep, self.group)
+        if not keep:
+            return {}
+        frozen = lambda p: p.detach().to("cpu", torch.float32, copy=True)  # noqa: E731 (not in any bucket)
+        return {name: full[name] if name in full else frozen(p)
                 for name, p in self.module.named_parameters(remove_duplicate=False)}
