@@ -3,7 +3,7 @@
 They live in a `.py` file because every rank is a *spawned* process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements a
 collective: each one is `minidist.parallel.comm`'s (which calls `torch.distributed`), the ring is
-`comm.ring_all_reduce`, and the timing is `minidist.bench.time_collective`, the code that
+`comm.ring_all_reduce`, and the timing is `minidist.bench.collectives.time_collective`, the code that
 `slurm/01_collectives.sh` runs on GPUs.
 """
 
@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from minidist import bench
+from minidist.bench import collectives
 from minidist.parallel import comm
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -130,6 +130,6 @@ def lesson(numels: list[int], group_sizes: list[int], count_numel: int, sizes: l
     groups = {k: dist.new_group(list(range(k))) for k in group_sizes}
     results = {"collectives": show_collectives(), "ring": ring_against_library(groups, numels),
                "bytes": bytes_per_rank(groups, count_numel)}
-    # The timing: minidist.bench's, the function the SLURM script runs on GPUs.
-    results["timing"] = {op: bench.time_collective(op, sizes, warmup, iters) for op in OPS}
+    # The timing: minidist.bench.collectives', the function the SLURM script runs on GPUs.
+    results["timing"] = {op: collectives.time_collective(op, sizes, warmup, iters) for op in OPS}
     return results

@@ -18,6 +18,7 @@ gradient buckets of DDP, FSDP's gathered units (freed after each use), a checkpo
 recomputed inside backward, and short-lived temporaries. The estimate lists those separately.
 """
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -141,6 +142,32 @@ class MemoryMeter:
         else:
             memory["peak"] = sum(memory.values())
         return memory
+
+
+def step_peak(run_step, model, optimizer, device: torch.device) -> int:
+    """The most bytes of live tensors at any moment of one call of `run_step` (a whole training
+    step: forward, backward, optimizer step), on this rank, counted as a GPU allocator counts
+    them: every tensor, whatever it is for, temporaries and retained buffers included.
+
+    On a GPU that is the caching allocator's own counter. On the CPU it is PyTorch's `MemTracker`
+    (`torch.distributed._tools.mem_tracker`), which watches every allocation and free through a
+    dispatch mode, storage resizes included (FSDP frees a unit by shrinking its storage); it
+    slows the step down, so a step it watches is not a step to time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with warnings.catch_warnings():  # it names every None it is handed (a gradient not yet made)
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        tracker.track_external(model, optimizer)  # what exists before the step: weights, states
+        with tracker:
+            run_step()
+    return tracker.get_tracker_snapshot("peak")[device]["Total"]
 
 
 def gather(memory: dict, device: torch.device) -> dict:

@@ -1,0 +1,46 @@
+"""`python -m minidist.bench ddp|fsdp|allreduce`: the command (see `__init__.py`)."""
+
+import argparse
+
+from minidist import bench
+from minidist.bench import collectives, strategies
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minidist.bench", description=bench.__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="what", required=True)
+    for what in strategies.IMPLEMENTATIONS:
+        p = commands.add_parser(what, help=f"time the hand-written {what.upper()} against PyTorch's")
+        p.add_argument("--world_size", type=int, default=2)
+        p.add_argument("--hidden_size", type=int, default=384)
+        p.add_argument("--num_layers", type=int, default=6)
+        p.add_argument("--batch_size", type=int, default=4, help="sequences per rank per step")
+        p.add_argument("--seq_len", type=int, default=64)
+        p.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP and ZeRO buckets")
+        p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation")
+        p.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
+        p.add_argument("--rounds", type=int, default=4)
+    p = commands.add_parser("allreduce", help="time one collective per message size: algbw and busbw")
+    p.add_argument("--op", choices=tuple(collectives.BUS_FACTOR), default="all_reduce")
+    p.add_argument("--world_size", type=int, default=2, help="CPU ranks to launch (torchrun and srun say their own)")
+    p.add_argument("--min_bytes", type=collectives.parse_bytes, default=collectives.parse_bytes("1K"), help="like nccl-tests -b: 1K, 64M, 1G")
+    p.add_argument("--max_bytes", type=collectives.parse_bytes, default=collectives.parse_bytes("64M"), help="like nccl-tests -e")
+    p.add_argument("--factor", type=int, default=4, help="like nccl-tests -f: each size is the last x factor")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size")
+    args = parser.parse_args(argv)
+    if args.what == "allreduce":
+        collectives.bandwidth_main(args)
+        return
+    # Import the worker under its module name: launch() starts fresh interpreters that import it.
+    from minidist.bench.strategies import time_implementations as worker
+    from minidist.launch import launch
+
+    print(f"timing on {args.world_size} ranks ...", flush=True)
+    result = launch(worker, args.world_size, args.what, args.hidden_size, args.num_layers, args.batch_size,
+                    args.seq_len, args.bucket_cap_mb, args.warmup, args.steps, args.rounds)[0]
+    print(strategies.report(args.what, result, args))
+
+
+if __name__ == "__main__":
+    main()

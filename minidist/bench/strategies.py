@@ -1,0 +1,195 @@
+"""The hand-written strategies against PyTorch's own: step time and peak memory, as ratios.
+
+Absolute times depend on the machine and on what else runs on it; a ratio measured in one run,
+on the same model, data and ranks, mostly does not. So every implementation gets its own copy
+of one randomly initialised model (FSDP wrapping replaces a model's parameters by flat shards,
+so each wraps its own `deepcopy`) and the same batch on every rank, and they take turns: each
+round times a few steps of each, and the rounds repeat, so a slow minute hurts all of them
+alike. A step is forward, backward (with its communication), and the optimizer step; its time
+is the slowest rank's, because the next step cannot start before that rank is done. The figure
+reported is the median step, and each ratio comes with its spread: the ratio of the medians
+within each round, lowest to highest. The hand-written ones also count the bytes each rank
+sends in one step (`comm.counter`, ring collectives); PyTorch's do not go through `comm`.
+
+Two things hide a wrapper's cost, and the command can rule both out. On 2 gloo ranks the step
+is mostly gloo's: `--world_size 1` leaves no communication to hide behind. And a small model at
+a large batch is mostly activations: a wide model at a small batch is mostly weights, as at 7B.
+The peak is measured over one whole step, every live tensor counted as a GPU's allocator would
+count it (`memory/measure.step_peak`: PyTorch's `MemTracker` on the CPU, the allocator's own
+counter on a GPU), not by category.
+"""
+
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from minidist.distributed import get_env
+
+# What each comparison is a ratio to, and its goals: (label, numerator, denominator, kind, bound).
+REFERENCE = {"ddp": "DistributedDataParallel (torch)", "fsdp": "fully_shard FSDP2 (torch)"}
+# The step-time goals; the peak goals are in `peak_goals`.
+GOALS = {
+    "ddp": [("bucketed / torch DDP", "bucketed DDP (minidist)", "DistributedDataParallel (torch)", "at most", 1.05),
+            ("naive / bucketed DDP", "naive DDP (minidist)", "bucketed DDP (minidist)", "above", 1.00)],
+    "fsdp": [("minidist FSDP / FSDP2", "FSDP (minidist)", "fully_shard FSDP2 (torch)", "at most", 1.10)],
+}
+# Bytes per rank per step with ring collectives, fp32 (4 bytes), P parameters, N ranks.
+EXPECTED_BYTES = {"ddp": "2P(N-1)/N x 4 bytes = {two:.1f} MB",
+                  "fsdp": "3P(N-1)/N x 4 bytes = {three:.1f} MB (FSDP), 2P(N-1)/N = {two:.1f} MB (ZeRO-2)"}
+
+
+def _time_steps(step, num_steps: int) -> list[float]:
+    """Seconds per step, each the slowest rank's."""
+    times = []
+    for _ in range(num_steps):
+        dist.barrier()  # start together, so no rank's time includes waiting for another
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def _wrapped(base, bucket_cap_mb, **options) -> tuple:
+    """(model, optimizer) as the training loop builds them: the strategy `options` name, around
+    its own copy of `base` (sharding replaces a model's parameters by flat shards)."""
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    if options["impl"] == "minidist" and options["strategy"] != "fsdp":
+        options["bucket_cap_mb"] = bucket_cap_mb
+    strategy = get_strategy(ParallelOptions(**options), get_env())
+    model = strategy.wrap(copy.deepcopy(base))
+    return model, strategy.build_optimizer(model, lr=1e-4)
+
+
+def _ddp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
+    """Naive, bucketed and PyTorch DDP (buckets of 25 MB, its default), each on its own copy of `base`."""
+    wrapped = {name: _wrapped(base, bucket_cap_mb, strategy="ddp", **options) for name, options in (
+        ("naive DDP (minidist)", {"impl": "minidist", "ddp_variant": "naive"}),
+        ("bucketed DDP (minidist)", {"impl": "minidist", "ddp_variant": "bucketed"}),
+        ("DistributedDataParallel (torch)", {"impl": "torch"}))}
+    bucketed = wrapped["bucketed DDP (minidist)"][0]
+    return wrapped, f"bucketed DDP: buckets of {bucket_cap_mb:g} MB ({len(bucketed.buckets)} for this model)"
+
+
+def _fsdp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
+    """minidist FSDP (one unit per decoder layer and the root), minidist ZeRO-2, and PyTorch's
+    FSDP2 (`fully_shard` on every decoder layer, then on the root), each on its own copy of `base`."""
+    wrapped = {name: _wrapped(base, bucket_cap_mb, **options) for name, options in (
+        ("FSDP (minidist)", {"impl": "minidist", "strategy": "fsdp"}),
+        ("ZeRO-2 (minidist)", {"impl": "minidist", "strategy": "zero2"}),
+        ("fully_shard FSDP2 (torch)", {"impl": "torch", "strategy": "fsdp"}))}
+    fsdp, zero2 = wrapped["FSDP (minidist)"][0], wrapped["ZeRO-2 (minidist)"][0]
+    return wrapped, (f"FSDP units: {len(fsdp.units)} ({len(fsdp.layer_units)} x {type(fsdp.units[0].module).__name__}"
+                     f" + root); ZeRO-2 buckets of {bucket_cap_mb:g} MB ({len(zero2.buckets)} for this model)")
+
+
+IMPLEMENTATIONS = {"ddp": _ddp_implementations, "fsdp": _fsdp_implementations}
+
+
+def time_implementations(what, hidden_size, num_layers, batch_size, seq_len, bucket_cap_mb, warmup, steps, rounds):
+    """Run in every rank: time the implementations compared by `what` on one model, turn by turn."""
+    from transformers import LlamaForCausalLM
+
+    from minidist import models
+    from minidist.memory.measure import step_peak
+    from minidist.parallel import comm
+
+    env = get_env()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # comm.py's names
+    config = models.tiny_llama_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=max(1, hidden_size // 64))
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(env.rank)  # each rank its own batch, as in training
+    input_ids = torch.randint(4, config.vocab_size, (batch_size, seq_len), generator=generator)
+    wrapped, setup = IMPLEMENTATIONS[what](base, bucket_cap_mb)
+
+    def step(name):
+        model, optimizer = wrapped[name]
+
+        def run():
+            model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return run
+
+    for name in wrapped:
+        _time_steps(step(name), warmup)  # first steps allocate memory and (bucketed) re-pack buckets
+    bytes_per_step = {}
+    for name in wrapped:
+        comm.counter.reset()
+        step(name)()
+        bytes_per_step[name] = comm.counter.bytes_sent  # 0 for PyTorch's: they bypass comm
+    times = {name: [] for name in wrapped}  # one list of step times per round
+    for _ in range(rounds):
+        for name in wrapped:
+            times[name].append(_time_steps(step(name), steps))
+    peaks = {}
+    for name, (model, optimizer) in wrapped.items():  # one more step each, its peak watched
+        peak = torch.tensor(float(step_peak(step(name), model, optimizer, env.device)), device=env.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the rank that needs most
+        peaks[name] = peak.item()
+    return {"times": times, "parameters": sum(p.numel() for p in base.parameters()), "setup": setup,
+            "bytes_per_step": bytes_per_step, "peaks": peaks, "device": str(env.device), "backend": env.backend}
+
+
+def peak_goals(what: str, result: dict, world_size: int) -> list:
+    """(label, measured peak, the most it may be) for each peak goal."""
+    if what != "fsdp":
+        return []
+    peaks, p, n = result["peaks"], result["parameters"], world_size
+    torch_fsdp = peaks[REFERENCE["fsdp"]]
+    # ZeRO-2 keeps every fp32 weight: 4P bytes where FSDP keeps 4P/N, the formula's difference.
+    return [("minidist FSDP / FSDP2, peak", peaks["FSDP (minidist)"], 1.05 * torch_fsdp),
+            ("ZeRO-2 peak, FSDP2's + 4P(N-1)/N weights", peaks["ZeRO-2 (minidist)"], torch_fsdp + 4 * p * (n - 1) / n)]
+
+
+def ratio_spread(result: dict, name: str, reference: str) -> tuple[float, float, float]:
+    """The ratio of the median steps over all rounds, and its lowest and highest round by round."""
+    times, ref = result["times"][name], result["times"][reference]
+    per_round = [statistics.median(a) / statistics.median(b) for a, b in zip(times, ref)]
+    overall = statistics.median([t for r in times for t in r]) / statistics.median([t for r in ref for t in r])
+    return overall, min(per_round), max(per_round)
+
+
+def report(what: str, result: dict, args) -> str:
+    tokens = args.batch_size * args.seq_len * args.world_size
+    medians = {name: statistics.median([t for r in times for t in r]) for name, times in result["times"].items()}
+    peaks = result["peaks"]
+    P, N = result["parameters"], args.world_size
+    lines = [
+        f"{what.upper()} on {N} x {result['device']} ({result['backend']}): Llama of {P / 1e6:.1f}M parameters "
+        f"({args.num_layers} layers x {args.hidden_size}), batch {args.batch_size} x {args.seq_len} tokens per rank, "
+        f"{args.rounds} rounds x {args.steps} timed steps each",
+        result["setup"],
+        "sent per rank per step: " + EXPECTED_BYTES[what].format(two=8 * P * (N - 1) / N / 1e6,
+                                                                  three=12 * P * (N - 1) / N / 1e6),
+        "",
+        f"{'implementation':<34}{'median step':>12}{'tokens/s':>11}{'vs torch (rounds)':>24}{'peak':>11}"
+        f"{'vs torch':>9}{'sent/step':>12}",
+    ]
+    for name, median in medians.items():
+        sent = result["bytes_per_step"][name]
+        sent = f"{sent / 1e6:>9.1f} MB" if sent else f"{'-':>12}"
+        ratio, low, high = ratio_spread(result, name, REFERENCE[what])
+        spread = f"{ratio:.2f}x ({low:.2f}-{high:.2f})"
+        lines.append(f"{name:<34}{median * 1e3:>9.0f} ms{tokens / median:>11,.0f}{spread:>24}"
+                     f"{peaks[name] / 1e6:>8.1f} MB{peaks[name] / peaks[REFERENCE[what]]:>8.2f}x{sent}")
+    lines += ["", "step time (median ratio, lowest and highest round) and whole-step peak (the rank that needs most):"]
+    for label, numerator, denominator, kind, bound in GOALS[what]:
+        ratio, low, high = ratio_spread(result, numerator, denominator)
+        met = ratio <= bound if kind == "at most" else ratio > bound
+        lines.append(f"{label + ':':<42}{ratio:.2f}x ({low:.2f}-{high:.2f}) (goal: {kind} {bound:.2f}x, "
+                     f"{'met' if met else 'NOT met'})")
+    for label, peak, most in peak_goals(what, result, N):
+        lines.append(f"{label + ':':<42}{peak / 1e6:.1f} MB (goal: at most {most / 1e6:.1f} MB, "
+                     f"{'met' if peak <= most else 'NOT met'})")
+    return "\n".join(lines)
+
+
