@@ -3,6 +3,7 @@
     python tests/exit_loop.py --runs 200                  # 200 runs of each strategy, under torchrun
     python tests/exit_loop.py --runs 200 --launcher fork  # the same, ranks forked: a quarter faster
     python tests/exit_loop.py --runs 200 --jobs 4         # on a machine with 8 or more cores
+    python tests/exit_loop.py --runs 200 --minutes 60      # as many as an hour allows, counted
 
 A finished run must exit 0. An abort at process exit ("terminate called without an active
 exception", SIGABRT) comes after the run's work is done, in a few runs out of a hundred, so one
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--launcher", choices=("torchrun", "fork"), default="torchrun")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     p.add_argument("--keep", default="exit_loop_failures", help="folder for the output of failed runs")
+    p.add_argument("--minutes", type=float, help="start no run after this many minutes; finish and count the "
+                                                 "ones started (the table then says how many each strategy got)")
     args = p.parse_args(argv)
     if args.runs < 1 or args.jobs < 1:
         p.error("--runs and --jobs must be at least 1")
@@ -165,6 +168,8 @@ def main(argv=None) -> int:
     plan = [(s, i) for i, s in itertools.product(range(args.runs), args.strategies)]
     running, t0 = [], time.monotonic()
     while plan or running:
+        if args.minutes is not None and time.monotonic() - t0 > 60 * args.minutes:
+            plan = []  # out of time: let the running ones finish, start no more
         while plan and len(running) < args.jobs:
             strategy, i = plan.pop(0)
             name = f"{strategy.replace('/', '-')}-{i}"
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
 
     assert os.getpid() == parent
     shutil.rmtree(work)
-    print(f"{args.launcher}: {args.runs} runs per strategy, 2 ranks, {time.monotonic() - t0:.0f} s")
+    print(f"{args.launcher}: up to {args.runs} runs per strategy, 2 ranks, {time.monotonic() - t0:.0f} s")
     print(f"{'strategy':<16}{'runs':>6}{'clean':>7}{'aborts':>8}{'other':>7}")
     for strategy, c in counts.items():
         print(f"{strategy:<16}{sum(c.values()):>6}{c['clean']:>7}{c['abort']:>8}{c['other']:>7}")
