@@ -13,9 +13,9 @@ The options that only the hand-written strategies have (`reduce_dtype`, `bucket_
 PyTorch's FSDP, say) is told so, instead of being silently ignored. `value` reads an option
 with its default filled in.
 
-The next options have their homes ready: CPU offload (a `cpu_offload` field, read by the FSDPs)
-and hybrid sharding (a `replicate` field, read by `mesh.py`, which already names the shard and
-replicate dimensions). Neither is built yet, so neither is a flag yet.
+The next options have their homes ready: CPU offload (a `cpu_offload` field, for the FSDPs to
+read) and hybrid sharding (a `replicate` field, for `mesh.data_parallel_mesh` to read: the mesh
+already names the shard and replicate dimensions). Neither is built yet, so neither is a flag.
 """
 
 import argparse
