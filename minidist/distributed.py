@@ -51,8 +51,10 @@ over many short runs):
   registry of each before it destroys the group.
 
 And a wrapped model left in a reference cycle holds the group until the cycle collector runs, so
-`cleanup` runs it first. `tests/test_finetune.py` checks that no gloo thread is left after every
-strategy has trained.
+`cleanup` runs it first. A cycle through a tensor hook the collector cannot break at all (PyTorch
+keeps the hook in C++), so the hand-written wrappers hook their parameters only weakly
+(`parallel/wrapper.py`, `weak_hook`). `tests/test_finetune.py` checks that no gloo thread is left
+after every strategy has trained.
 
 (The same abort is analysed in PyTorch pull request 179291, "Register atexit handler to destroy
 process groups before interpreter finalization", 2026, abandoned upstream as more complicated than
