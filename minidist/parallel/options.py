@@ -28,8 +28,12 @@ DDP_VARIANTS = ("bucketed", "naive")
 EVERY = ("minidist", "torch"), STRATEGIES  # (implementations, strategies) an option applies to
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
-# Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them.
+# Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them,
+# and with the multi-tensor ("foreach") implementation, which PyTorch picks by default on a GPU
+# only: on the CPU too it then makes the temporaries a GPU would (`memory/estimator.py` counts
+# them), with the same numbers, bit for bit, as the one-tensor-at-a-time loop.
 ADAMW_BETAS = (0.9, 0.95)
+ADAMW_OPTIONS = {"betas": ADAMW_BETAS, "foreach": True}
 
 
 def _option(default, help, choices=None, applies=EVERY, flag_type=None):

@@ -35,7 +35,7 @@ from torch import nn
 
 from minidist.parallel import comm, precision
 from minidist.parallel.mesh import DataParallelMesh, data_parallel_mesh
-from minidist.parallel.options import ADAMW_BETAS, ParallelOptions
+from minidist.parallel.options import ADAMW_OPTIONS, ParallelOptions
 
 
 class Strategy:
@@ -80,7 +80,7 @@ class Strategy:
     def build_optimizer(self, model, lr, weight_decay=0.0) -> torch.optim.Optimizer:
         # Frozen parameters get no optimizer state at all: that is where LoRA saves its memory.
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **ADAMW_OPTIONS)
 
     def no_sync(self, model):
         """Inside this context backward only accumulates local gradients: no communication."""
@@ -195,8 +195,8 @@ class MinidistZeRO(ShardedByHand):
     def build_optimizer(self, model, lr, weight_decay=0.0):
         from minidist.parallel.zero import ShardedOptimizer
 
-        return ShardedOptimizer(model.buckets, torch.optim.AdamW, model.group, lr=lr, betas=ADAMW_BETAS,
-                                weight_decay=weight_decay)
+        return ShardedOptimizer(model.buckets, torch.optim.AdamW, model.group, lr=lr, weight_decay=weight_decay,
+                                **ADAMW_OPTIONS)
 
 
 class MinidistFSDP(ShardedByHand):
