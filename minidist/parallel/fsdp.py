@@ -150,16 +150,17 @@ class Unit:
         return grad
 
     def _post_backward(self, full: torch.Tensor) -> None:
-        if self.fsdp.require_sync:
-            grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
-            full.grad = None
-            grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
-            out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True)
-            for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
-                unit.finish_reduction(earlier, earlier_out)
-            self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
-        self.free()  # no_sync: full.grad stays and the next backward adds to it
+        self.free()  # the gathered weights first: the reduction does not need them
+        if not self.fsdp.require_sync:
+            return  # no_sync: full.grad stays and the next backward adds to it
+        grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
+        full.grad = None
+        grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
+        out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+        handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True)
+        for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
+            unit.finish_reduction(earlier, earlier_out)
+        self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
 
     def finish_reduction(self, handle, out) -> None:
         handle.wait()
