@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
+    p.add_argument("--trace_memory_every", type=int, default=0, metavar="N",
+                   help="on CPU, count the whole step's peak of live tensors (memory/measure.py, several times slower) on "
+                        "the first step and every Nth after it (0: the first only); a GPU counts every step")
     p.add_argument("--no_save", action="store_true", help="do not write the fine-tuned model")
     p.add_argument("--save_dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="the saved model's dtype; auto: the one its config names (CodeLlama-7b: bf16), else fp32")
@@ -76,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    for name in ("save_steps", "save_total_limit"):
+    for name in ("save_steps", "save_total_limit", "trace_memory_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name} must be 0 or more")
     if args.max_seq_length < 2:
@@ -202,7 +205,7 @@ def train(args) -> dict:
     else:
         results = {"rate_before": legal_rate("before training"), "losses": []}
     strategy.take_comm_bytes()  # count from here: the first step's total starts at zero
-    meter = measure.MemoryMeter(env.device)
+    meter = measure.MemoryMeter(env.device, args.trace_memory_every)
     bar = tqdm(total=args.max_steps, initial=start, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(start, args.max_steps):
         t0 = time.perf_counter()
@@ -212,11 +215,11 @@ def train(args) -> dict:
         for ids in sampler.micro_batches(step, mesh.rank, mesh.size, micro_bs):
             batch = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
             micro_batches.append({name: tensor.to(env.device) for name, tensor in batch.items()})
-        with meter.step():  # watches what forward saves for backward; on a GPU, resets the allocator's peak
-            loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
-        grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
+            loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
+            grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
+            optimizer.step()
         memory = meter.read(model, optimizer)  # before zero_grad: the gradients are still held
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -229,7 +232,9 @@ def train(args) -> dict:
         memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
         record = {"step": step + 1, "loss": total.item() / num_targets, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
-                  "peak_memory_bytes": max(memory["peak"]), "memory_bytes": memory,  # per rank, lists by rank
+                  # the whole step's peak on the rank that used most (None: a CPU step not traced)
+                  "peak_memory_bytes": None if None in memory["peak"] else max(memory["peak"]),
+                  "memory_bytes": memory,  # per rank, lists by rank
                   "comm_bytes": strategy.take_comm_bytes()}  # sent by this rank in the step; None for --impl torch
         peak = metrics.peak_flops(env.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached

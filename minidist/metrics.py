@@ -51,4 +51,6 @@ def format_step(record: dict, max_steps: int) -> str:
             f"{record['step_time_s']:.2f} s | {record['tokens_per_s']:,.0f} tok/s")
     if "mfu" in record:
         line += f" | MFU {record['mfu']:.1%}"
+    if record.get("peak_memory_bytes") is not None:
+        line += f" | peak {record['peak_memory_bytes'] / 1e6:,.1f} MB"
     return line

@@ -112,8 +112,10 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
     # What the run leaves behind: one metrics line per step, and a model from_pretrained can load.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for key in ("loss", "lr", "step_time_s", "tokens", "tokens_per_s", "peak_memory_bytes"):
+    for key in ("loss", "lr", "step_time_s", "tokens", "tokens_per_s"):
         assert all(r[key] > 0 for r in records), key
+    # The whole step's peak: on CPU traced on the first step only, by default (a traced step is slow).
+    assert records[0]["peak_memory_bytes"] > 0 and all(r["peak_memory_bytes"] is None for r in records[1:])
     # minidist counts what its collectives send: DDP one all-reduce of every gradient per step (2P);
     # ZeRO a reduce-scatter and an all-gather (2P, up to the padding of its flat buckets).
     parameters = sum(t.numel() for t in result["parameters"].values())

@@ -1,28 +1,34 @@
-"""Measure what one rank holds, term by term, to hold `estimator.py`'s estimate to account.
+"""Measure what one rank holds, to hold `estimator.py`'s estimate to account.
 
 On a GPU the truth is the caching allocator's counter, `torch.cuda.max_memory_allocated`: every
 byte PyTorch handed out, at its highest. The CPU has no such counter (the process's resident
 size mixes in the interpreter, libraries and freed-but-kept pages), so there we count tensors:
 
-- *model states*: the parameters, their gradients and the optimizer's state tensors this rank
-  holds after the optimizer step (for FSDP2 the local shards of its DTensors), each storage once;
-- *activations*: the tensors autograd saves for backward, seen through
-  `torch.autograd.graph.saved_tensors_hooks`. Each saved tensor is wrapped in a small holder
-  whose lifetime is the saved tensor's: we add its storage's bytes the first time a storage is
-  saved (views share one) and subtract them when the last holder goes, which autograd does as
-  backward consumes the graph. The highest total is the activation peak. Parameters (and views of
-  them, such as the transposed weight a linear layer saves) are model states, not activations.
-
-The CPU peak is model states + activation peak. It leaves out what the hooks cannot see: the
-gradient buckets of DDP, FSDP's gathered units (freed after each use), a checkpointed layer
-recomputed inside backward, and short-lived temporaries. The estimate lists those separately.
+- *the whole step's peak*: every tensor alive at once, whatever it is for (`LiveTensors`, the
+  idea of PyTorch's `MemTracker`). It slows a step several times over, so the loop traces the
+  first step and every `--trace_memory_every`-th; the others log no CPU peak;
+- the breakdown, every step: *model states*, the parameters, their gradients and the
+  optimizer's state tensors this rank holds after the optimizer step (for FSDP2 the local shards
+  of its DTensors), each storage once; and *activations*, the tensors autograd saves for
+  backward, seen through `torch.autograd.graph.saved_tensors_hooks`. Each saved tensor is
+  wrapped in a small holder whose lifetime is the saved tensor's: we add its storage's bytes the
+  first time a storage is saved (views share one) and subtract them when the last holder goes,
+  which autograd does as backward consumes the graph. The highest total is the activation peak.
+  Parameters (and views of them, such as the transposed weight a linear layer saves) are model
+  states, not activations.
 """
 
-import warnings
-from contextlib import contextmanager
+import gc
+import types
+import weakref
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from torch._guards import active_fake_mode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from minidist.parallel.wrapper import DataParallelWrapper
 
@@ -121,27 +127,142 @@ class SavedActivations:
 class MemoryMeter:
     """What the training loop records each step, on every rank (see the module docstring)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, trace_every: int = 0):
+        self.device, self.trace_every = device, trace_every
         self.saved = SavedActivations()
+        self.steps = 0
+        self.tracker = None  # on CPU, the LiveTensors of a traced step
 
     @contextmanager
-    def step(self):
-        """Around one step's forward and backward passes: start a fresh peak, watch saved tensors."""
+    def step(self, model, optimizer):
+        """Around one whole step (forward, backward, clipping, the optimizer step): watch what
+        forward saves for backward, and start a fresh whole-step peak. On a GPU the allocator's
+        counter costs nothing. On the CPU the peak needs `LiveTensors`, which slows a step several
+        times over, so only the first step and every `trace_every`-th after it are traced (0: the
+        first only; a loop that times its steps leaves the first out anyway, as warm-up)."""
         self.saved.reset_peak()
+        trace = self.device.type == "cpu" and (self.steps == 0 or self.trace_every and self.steps % self.trace_every == 0)
+        self.steps += 1
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with self.saved:
+        with self.saved, (LiveTensors(self.device, model, optimizer) if trace else nullcontext()) as tracker:
+            self.tracker = tracker
             yield
 
     def read(self, model, optimizer) -> dict:
-        """Call after the optimizer step, before zero_grad: the gradients are still there."""
-        memory = {**model_state_bytes(model, optimizer), "activations": self.saved.peak}
-        if self.device.type == "cuda":  # the optimizer step may be this step's peak: it is in the counter
+        """Call after the optimizer step, before zero_grad: the gradients are still there. `peak`
+        is the whole step's (None on a CPU step that was not traced)."""
+        memory = {**model_state_bytes(model, optimizer), "activations": self.saved.peak, "peak": None}
+        if self.device.type == "cuda":
             memory["peak"] = torch.cuda.max_memory_allocated(self.device)
-        else:
-            memory["peak"] = sum(memory.values())
+        elif self.tracker is not None:
+            memory["peak"] = self.tracker.peak
         return memory
+
+
+class LiveTensors(TorchDispatchMode):
+    """`with LiveTensors(device, model, optimizer) as live:` the most bytes of tensors alive at
+    once during the block, as an allocator would count them, on a device that has no allocator
+    counter (the CPU).
+
+    The idea of PyTorch's `MemTracker` (`torch.distributed._tools.mem_tracker`), written out:
+    - at the start, every tensor the model and the optimizer hold is counted, each storage once,
+      as the allocator holds each block once: not only parameters, gradients and optimizer
+      states, but whatever else the wrapper keeps (communication buckets, gradient shards, FSDP's
+      gathered buffers), found by following the objects they reference (`reachable_tensors`);
+    - in the block, every operator goes through `__torch_dispatch__`, and each new storage its
+      outputs hold is counted, with a weak reference whose callback subtracts it when the storage
+      is freed (autograd dropping a saved tensor, a gradient set to None);
+    - `UntypedStorage.resize_` does not go through the dispatcher, and FSDP frees a gathered unit
+      by shrinking its storage to 0 bytes, so it is wrapped to follow the size;
+    - the peak is read after every operator.
+    Unlike `MemTracker` it keeps no per-module statistics, so a module may run several times in
+    the block (gradient accumulation) and the step slows down less. A dispatch mode belongs to
+    one thread: what a library allocates in threads of its own is seen only once this thread's
+    operators touch it. gloo copies the input of a reduce-scatter in its worker thread; the copy
+    shows from the `wait()` on, until the work is let go (`moments.py` counts it so). NCCL, on a
+    GPU, makes no such copy."""
+
+    def __init__(self, device: torch.device, *roots):
+        super().__init__()
+        self.device, self.roots = device, roots
+        self.current = self.peak = 0
+        self._sizes = {}  # id(storage) -> bytes counted for it
+        self._refs = {}  # id(storage) -> weak reference (keeps the callback alive)
+        self._resize = None
+
+    def _track(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.device != self.device:
+            return  # a DTensor (FSDP2) only wraps its local shard, which is counted itself
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._refs:
+            self._follow(storage)
+            return
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self._sizes[key] = storage.nbytes()
+        self.current += storage.nbytes()
+
+    def _follow(self, storage) -> None:
+        """A known storage changed size (FSDP gathering into it, or freeing it)."""
+        key = id(storage)
+        if key in self._sizes and self._sizes[key] != storage.nbytes():
+            self.current += storage.nbytes() - self._sizes[key]
+            self._sizes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.current)
+
+    def _free(self, key) -> None:
+        self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __enter__(self):
+        gc.collect()  # what is only waiting for the collector is not alive
+        for t in reachable_tensors(*self.roots):
+            self._track(t)
+        self.peak = self.current
+        self._resize = torch.UntypedStorage.resize_
+        original, follow = self._resize, self._follow
+
+        def resize_(storage, size):
+            original(storage, size)
+            follow(storage)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # FSDP2: let DTensor turn the op into ops on its local shards first
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is None:  # DTensor works out output shapes on fake tensors: no memory
+            tree_map_only(torch.Tensor, self._track, out)
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+_NOT_STATE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
+
+
+def reachable_tensors(*roots) -> list[torch.Tensor]:
+    """Every tensor the objects `roots` reference, directly or through their attributes, lists,
+    dicts and other objects (each tensor's `.grad` too), but not through classes, functions or
+    modules, which would lead to everything the program has loaded."""
+    seen, stack, found = set(), list(roots), []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _NOT_STATE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            if obj.is_leaf and obj.grad is not None:
+                stack.append(obj.grad)
+        stack.extend(gc.get_referents(obj))
+    return found
 
 
 def step_peak(run_step, model, optimizer, device: torch.device) -> int:
@@ -149,31 +270,24 @@ def step_peak(run_step, model, optimizer, device: torch.device) -> int:
     step: forward, backward, optimizer step), on this rank, counted as a GPU allocator counts
     them: every tensor, whatever it is for, temporaries and retained buffers included.
 
-    On a GPU that is the caching allocator's own counter. On the CPU it is PyTorch's `MemTracker`
-    (`torch.distributed._tools.mem_tracker`), which watches every allocation and free through a
-    dispatch mode, storage resizes included (FSDP frees a unit by shrinking its storage); it
-    slows the step down, so a step it watches is not a step to time."""
+    On a GPU that is the caching allocator's own counter. On the CPU it is `LiveTensors`, which
+    slows the step down: a step it watches is not a step to time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         run_step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    with warnings.catch_warnings():  # it names every None it is handed (a gradient not yet made)
-        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-        tracker.track_external(model, optimizer)  # what exists before the step: weights, states
-        with tracker:
-            run_step()
-    return tracker.get_tracker_snapshot("peak")[device]["Total"]
+    with LiveTensors(device, model, optimizer) as live:
+        run_step()
+    return live.peak
 
 
 def gather(memory: dict, device: torch.device) -> dict:
     """Every rank's figures, as lists by rank, on every rank (one small all-gather)."""
-    mine = torch.tensor([float(memory[k]) for k in TERMS], dtype=torch.float64, device=device)
+    mine = torch.tensor([-1.0 if memory[k] is None else float(memory[k]) for k in TERMS], dtype=torch.float64,
+                        device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     table = torch.stack(everyone).cpu()
-    return {k: [int(v) for v in table[:, i]] for i, k in enumerate(TERMS)}
+    return {k: [None if v < 0 else int(v) for v in table[:, i]] for i, k in enumerate(TERMS)}
