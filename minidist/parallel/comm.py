@@ -30,6 +30,10 @@ may send more: on CPU, gloo's reduce-scatter sends 2(N-1)/N x S, as much as its 
 (lesson 01 measures it), so there ZeRO's and FSDP's real traffic exceeds ``comm_bytes``.
 ``ring_all_reduce`` then does the same all-reduce by hand with point-to-point ``send``/``recv``,
 to show there is no magic in the library call.
+
+On one rank there is nothing to send: the three wrappers copy locally (an all-reduce does
+nothing) and skip the library, as PyTorch's FSDP2 does, so that a one-rank benchmark times the
+strategy's own work and not a library round trip.
 """
 
 from fractions import Fraction
@@ -74,9 +78,22 @@ def _world(group) -> int:
     return dist.get_world_size(group)
 
 
+class _Done:
+    """The handle of a collective that finished at once (one rank: a local copy)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _local(async_op: bool):
+    return _Done() if async_op else None
+
+
 def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``tensor`` over the ranks, in place. With ``async_op`` return a handle to ``wait()`` on."""
     n = _world(group)
+    if n == 1:
+        return _local(async_op)
     counter.add(2 * (n - 1), tensor.numel() * tensor.element_size(), n)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -86,6 +103,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
     n = _world(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}")
+    if n == 1:
+        output.copy_(input)
+        return _local(async_op)
     counter.add(n - 1, input.numel() * input.element_size(), n)
     return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -95,6 +115,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     n = _world(group)
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {shard.numel()}")
+    if n == 1:
+        output.copy_(shard)
+        return _local(async_op)
     counter.add(n - 1, output.numel() * output.element_size(), n)
     return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
