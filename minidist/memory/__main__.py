@@ -18,6 +18,9 @@ def main(argv=None) -> None:
     p.add_argument("--world_size", type=int, default=1)
     p.add_argument("--batch_size_per_device", type=int, default=1)
     p.add_argument("--max_seq_length", type=int, default=512)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="gloo (CPU ranks) copies what it reduce-scatters; nccl (GPUs) does not")
     p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
@@ -26,7 +29,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
     try:
-        setup = estimator.setup(args.world_size, args.batch_size_per_device, args.max_seq_length, **options)
+        sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend")
+        setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
         estimator.check_setup(setup)
         if args.readme_table and gpu_memory is None:

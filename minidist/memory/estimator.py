@@ -19,14 +19,12 @@ the fp32 shard as the parameter and its fp32 gradient shard: 4 + 4 + 8 per shard
 What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradients, FSDP
 (ZeRO-3) also the parameters. FSDP2 shards each tensor on dim 0 (ceil(rows/N) rows, padded).
 
-**Buffers and gathered units.** A bucketed DDP (PyTorch's, and `ddp.py`'s) allocates buckets for
-every gradient when it wraps the model: a second copy of the gradients, 4P (PyTorch's
-`gradient_as_bucket_view=True` would make the gradients views of the buckets). FSDP all-gathers
-each unit before use: the root unit (embeddings, final norm, output layer) stays gathered from
-the start of forward to the end of backward, its gradients too (FSDP2's choice; the hand-written
-FSDP frees the root after forward as well, so for it this term is an upper bound); a layer unit is gathered with
-the next one prefetched, and in backward its full gradient plus the fp32 reduce-scatter input
-exist until the reduce-scatter. Without the layer wrap policy the one unit is the whole model.
+**Buffers and gathered units.** A bucketed DDP (PyTorch's) allocates buckets for every gradient
+when it wraps the model: a second copy of the gradients, 4P (`ddp.py`'s gradients become views
+of its buckets, as with PyTorch's `gradient_as_bucket_view=True`). ZeRO packs its flat buckets
+as `zero.py` does (a parameter larger than the cap alone). FSDP gathers the root unit
+(embeddings, final norm, output layer) and a layer with the next one prefetched; without the
+layer wrap policy the one unit is the whole model. When each is alive: `moments.py`.
 
 **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", section 4, redone for the Llama layer as transformers runs it): what autograd saves
@@ -50,13 +48,11 @@ bf16 copy of every linear weight until backward (2 bytes per weight).
 **Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps only each layer's input (r h per token per layer) and
 recomputes one layer at a time in backward, so one layer's activations come back for a moment.
 
-**The peak** sums what lives throughout (model states, buckets) and the larger of two moments:
-the end of forward (activations, gathered units, weight copies, and the logits with a same-sized
-copy or their two fp32 gradients, 8 bytes x B T V) and the optimizer step (AdamW's multi-tensor
-step makes a 4-byte temporary per parameter it updates). Gradients are counted as if present
-during forward, as they are from the second micro-batch of gradient accumulation on. Not counted:
-the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory 80GB` (8e10 bytes)
-for an A100 that reports 85.1e9 leaves them about 5 GB.
+**The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
+(the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
+falls and what is alive then; the terms above are each one's own size, not all alive at once.
+Not counted: the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory
+80GB` (8e10 bytes) for an A100 that reports 85.1e9 leaves them about 5 GB.
 
 Exact (tested) for Llama-architecture models (`model_type` llama); for others the layer term is
 Korthikanti et al.'s GPT layer, 34 s b h + 5 a s^2 b bytes in 16 bits, an approximation.
@@ -68,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from minidist.memory import moments
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
@@ -150,21 +147,24 @@ class Setup:
     batch_size_per_device: int = 1
     max_seq_length: int = 512
     padded: bool = True  # right-padded batches: SDPA gets (and saves) a mask
+    gradient_accumulation_steps: int = 1  # from the second micro-batch on, gradients are there in forward
+    backend: str = "nccl"  # or "gloo" (CPU ranks), which copies what it reduce-scatters (moments.py)
 
     @property
     def strategy(self) -> str:
         return self.options.strategy
 
 
-def setup(world_size=1, batch_size_per_device=1, max_seq_length=512, padded=True, **options) -> Setup:
+def setup(**flags) -> Setup:
     """A Setup named as `minidist.finetune`'s flags: `setup(strategy="ddp", world_size=4)`.
 
     The options not given are ParallelOptions' defaults, except bf16, as on the GPUs. zero1 and
     zero2 exist only by hand, so for them `impl` is minidist whatever was asked."""
-    options = {"mixed_precision": "bf16", **options}
+    sizes = {f.name: flags.pop(f.name) for f in fields(Setup) if f.name in flags}
+    options = {"mixed_precision": "bf16", **flags}
     if options.get("strategy") in ("zero1", "zero2"):
         options["impl"] = "minidist"
-    return Setup(ParallelOptions(**options), world_size, batch_size_per_device, max_seq_length, padded)
+    return Setup(ParallelOptions(**options), **sizes)
 
 
 def as_dict(setup: Setup) -> dict:
@@ -175,9 +175,7 @@ def as_dict(setup: Setup) -> dict:
 
 def compute_mode(setup: Setup) -> str:
     """fp32; autocast (bf16 matmuls over fp32 weights: DDP); bf16 (the weights themselves are bf16)."""
-    if setup.options.mixed_precision == "fp32":
-        return "fp32"
-    return "autocast" if setup.strategy == "ddp" else "bf16"
+    return "fp32" if setup.options.mixed_precision == "fp32" else "autocast" if setup.strategy == "ddp" else "bf16"
 
 
 def shard_numel(s: Shape, setup: Setup) -> int:
@@ -236,6 +234,7 @@ def activations(s: Shape, setup: Setup) -> dict:
     if setup.options.gradient_checkpointing:  # one layer's activations again, and under autocast its weight copies
         recompute = per_layer + (2 * s.layer_linear_params if mode == "autocast" else 0)
     return {"saved": layers + shared + head + loss, "per_layer": per_layer, "weight_copies": copies,
+            "layer": layers // max(s.num_layers, 1),  # what one layer keeps until backward: all, or its input
             "recompute": recompute, "logits": 8 * tokens * s.vocab_size}
 
 
@@ -243,19 +242,18 @@ def buffers(s: Shape, setup: Setup) -> dict:
     """Communication buckets, FSDP's gathered units, and the optimizer step's temporary."""
     k, mode = setup.strategy, compute_mode(setup)
     c = 4 if mode == "fp32" else 2
-    gathered = 0
-    if k == "fsdp" and setup.options.layer_wrap_policy and s.layer_params:
-        # root params and grads; a layer and the prefetched next; its gradient and fp32 reduce input
-        gathered = 2 * c * s.root_params + (3 * c + 4) * s.layer_params
-    elif k == "fsdp":
-        gathered = (2 * c + 4) * s.num_params
+    gathered = 0  # FSDP: the root and two layers at once (the whole model without the wrap policy)
+    if k == "fsdp":
+        wrapped = setup.options.layer_wrap_policy and s.layer_params
+        gathered = c * (s.root_params + 2 * s.layer_params if wrapped else s.num_params)
     # DDP's buckets hold a copy of every fp32 gradient (`--ddp_variant naive` has none).
-    # ZeRO-1 casts one bucket at a time for its fp32 reduce-scatter; ZeRO-2 has two in flight, one
-    # being filled while the other is on the wire.
-    bucket = int(setup.options.value("bucket_cap_mb") * 2**20)  # one flat gradient bucket of ZeRO
     naive = setup.options.impl == "minidist" and setup.options.value("ddp_variant") == "naive"
-    buckets = {"ddp": 0 if naive else 4 * s.num_params, "zero1": bucket, "zero2": 2 * bucket}.get(k, 0)
     updated = s.num_params if k == "ddp" else shard_numel(s, setup)  # what this rank's AdamW steps
+    buckets = {"ddp": 0 if naive else 4 * s.num_params}.get(k, 0)
+    if k in ("zero1", "zero2"):  # the largest flat gradient bucket (fp32), one at a time or two
+        largest = max(moments.buckets([numel for _, numel in s.param_rows], int(setup.options.value("bucket_cap_mb") * 2**20)))
+        buckets = 4 * largest * (2 if k == "zero2" else 1)
+        updated = math.ceil(largest / setup.world_size)  # ZeRO steps one bucket at a time
     return {"gathered_units": gathered, "buckets": buckets, "optimizer_step": 4 * updated}
 
 
@@ -263,11 +261,17 @@ def estimate(s: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
     states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
-    forward = bufs["gathered_units"] + acts["saved"] + acts["weight_copies"] + max(acts["recompute"], acts["logits"])
-    peak = sum(states.values()) + bufs["buckets"] + max(forward, bufs["optimizer_step"])
+    peak = max(sum(terms.values()) for terms in moments.moments(s, setup, states, acts).values())
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
             "weight_copies": acts["weight_copies"], "recompute": acts["recompute"], "logits": acts["logits"],
             "peak": peak}
+
+
+def peak_moment(s: Shape, setup: Setup) -> tuple[str, dict]:
+    """The moment of the step where the peak falls, and what is alive then (`moments.py`)."""
+    at = moments.moments(s, setup, model_states(s, setup), activations(s, setup))
+    name = max(at, key=lambda m: sum(at[m].values()))
+    return name, at[name]
 
 
 def largest_batch(s: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) -> int:
@@ -286,7 +290,9 @@ def largest_batch(s: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) 
 def check_setup(setup: Setup) -> None:
     """Raise ValueError, naming the flag, for a setup no run could have."""
     setup.options.check()
-    for name in ("world_size", "batch_size_per_device"):
+    if setup.backend not in ("nccl", "gloo"):
+        raise ValueError(f"the backend must be nccl or gloo, got {setup.backend!r}")
+    for name in ("world_size", "batch_size_per_device", "gradient_accumulation_steps"):
         if getattr(setup, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(setup, name)}")
     if setup.max_seq_length < 2:

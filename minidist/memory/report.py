@@ -9,7 +9,7 @@ DeepSpeed would say.
 import re
 from dataclasses import replace
 
-from minidist.memory.estimator import GB, Setup, Shape, as_dict, estimate, largest_batch, setup
+from minidist.memory.estimator import GB, Setup, Shape, as_dict, estimate, largest_batch, peak_moment, setup
 from minidist.parallel.options import STRATEGIES
 
 
@@ -41,7 +41,7 @@ def parse_bytes(text: str) -> float:
 
 LABELS = {
     "parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
-    "buckets": "gradient buckets (DDP)", "gathered_units": "gathered FSDP units",
+    "buckets": "gradient buckets (DDP, ZeRO)", "gathered_units": "gathered FSDP units",
     "activations": "activations saved for backward", "activations_per_layer": "  one decoder layer, in full",
     "weight_copies": "bf16 weight copies (autocast)", "recompute": "recomputed layer (checkpointing)",
     "logits": "logits and their gradients", "optimizer_step": "optimizer step temporary", "peak": "peak per rank",
@@ -50,8 +50,10 @@ LABELS = {
 
 def report(s: Shape, setup: Setup, gpu_memory: float | None = None) -> dict:
     """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say."""
+    moment, alive = peak_moment(s, setup)
     result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
-              "exact": s.model_type == "llama", "setup": as_dict(setup), "bytes": estimate(s, setup)}
+              "exact": s.model_type == "llama", "setup": as_dict(setup), "bytes": estimate(s, setup),
+              "peak_moment": moment, "alive_at_peak": alive}
     if gpu_memory is not None:
         result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
                       largest_batch_per_device=largest_batch(s, setup, gpu_memory))
@@ -76,7 +78,8 @@ def format_report(r: dict) -> str:
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")
              + ("" if u["layer_wrap_policy"] or u["strategy"] != "fsdp" else ", no layer wrap policy"), ""]
     lines += [f"{label:<34} {_size(r['bytes'][k]):>10}" for k, label in LABELS.items() if r["bytes"][k] or k == "peak"]
-    lines.append("(peak = model states + buckets + the larger of: the rest at the end of forward, the optimizer step)")
+    alive = ", ".join(f"{term.replace('_', ' ')} {_size(n)}" for term, n in r["alive_at_peak"].items() if n)
+    lines.append(f"(the peak falls in {r['peak_moment']}: {alive})")
     if "fits" in r:
         largest = r["largest_batch_per_device"]
         lines.append(f"fits in {_size(r['gpu_memory'])}: {'yes' if r['fits'] else 'no'}; largest batch per "

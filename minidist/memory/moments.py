@@ -1,0 +1,250 @@
+"""The moments of a training step where one rank's memory peaks, term by term, per strategy.
+
+`estimator.py` says what a rank holds (model states) and what one micro-batch keeps for backward
+(activations). The peak is the most that is alive *at once*, and each strategy allocates and
+frees in its own order. Four moments cover the step, as `measure.LiveTensors` sees it:
+
+- **forward**: the end of the last micro-batch's forward. Everything saved for backward, the
+  logits moment, autocast's weight copies; with accumulation, the gradients of the earlier
+  micro-batches are already there (the first micro-batch finds none: `zero_grad(set_to_none)`).
+- **backward**: while backward reduces. For DDP, the end of backward, when autograd's gradients
+  and the buckets are both alive; for ZeRO-1, each bucket's reduce-scatter once backward is
+  over; for ZeRO-2 and FSDP, the first units or buckets to be reduced, while most activations
+  still wait for backward (activations are freed as backward passes each layer, so the share
+  still alive is the share of the layers' parameters whose gradients are still to come).
+- **step**: the optimizer step. AdamW's multi-tensor step allocates one fp32 temporary per
+  element it updates (sqrt(v)); ZeRO steps one bucket at a time, so only one bucket's worth.
+- **refresh**: ZeRO's all-gather of the updated shards into every rank's weights.
+
+A reduce-scatter's output, and its input cast to fp32 where the gradients are bf16, live until
+it is done: one in flight and one being filled (ZeRO-2, FSDP). gloo (the CPU backend) also
+copies every reduce-scatter's input into a buffer of its own, counted here where `LiveTensors`
+sees it (`measure.py`); NCCL, on GPUs, does not, so `backend="nccl"` leaves these copies out.
+
+Checked against `LiveTensors` in tests/test_memory.py (within 5%, every strategy). Where the
+logits outweigh a layer's activations several times over, FSDP's figure strays further: the
+loss's own tensors are one term here ("logits"), not walked operator by operator.
+"""
+
+import torch
+
+from minidist.parallel.wrapper import pack_buckets
+
+
+def buckets(param_numels: list[int], cap_bytes: int) -> list[int]:
+    """Elements per bucket, as `zero.ZeroDP` packs them: in reverse registration order (roughly
+    backward's), fp32, at most `cap_bytes` (a larger parameter gets a bucket of its own)."""
+    metas = [torch.empty(n, device="meta") for n in reversed(param_numels)]
+    return [sum(p.numel() for p in run) for run in pack_buckets(metas, cap_bytes)]
+
+
+def _shard(numel: int, n: int) -> int:
+    return -(-numel // n)
+
+
+def moments(s, setup, states: dict, acts: dict) -> dict:
+    """{moment: {term: bytes}} for one rank; the peak is the largest sum."""
+    o, n, P = setup.options, setup.world_size, s.num_params
+    k, impl = o.strategy, o.impl
+    gloo = setup.backend == "gloo" and n > 1  # gloo's copies (one rank sends nothing: comm.py copies locally)
+    bf16 = o.mixed_precision == "bf16"
+    c = 2 if bf16 and k != "ddp" else 4  # bytes of what is computed with (DDP: autocast over fp32 weights)
+    accum = setup.gradient_accumulation_steps > 1
+    kept = {"parameters": states["parameters"], "optimizer_states": states["optimizer_states"]}
+    forward_acts = acts["saved"] + acts["weight_copies"] + max(acts["recompute"], acts["logits"])
+    at = {}
+    if k == "ddp":
+        naive = impl == "minidist" and o.value("ddp_variant") == "naive"
+        if not naive:
+            kept["buckets"] = 4 * P  # one fp32 copy of every gradient, from the wrap on
+        at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": 4 * P if accum else 0}
+        at["backward"] = {**kept, "gradients": 4 * P}
+        # PyTorch's DDP keeps the gradients beside the buckets; minidist's become views of them.
+        grads = 0 if impl == "minidist" and not naive else 4 * P
+        at["step"] = {**kept, "gradients": grads, "optimizer step temporary": 4 * P}
+    elif k in ("zero1", "zero2"):
+        w = 2 if bf16 else 4  # the model's own weights and gradients: bf16 under mixed precision
+        sizes = buckets([numel for _, numel in s.param_rows], int(o.value("bucket_cap_mb") * 2**20))
+        cast = 4 if bf16 else 0  # a bf16 gradient cast to fp32 for the reduction
+        if k == "zero1":
+            kept["gradients"] = w * P  # flat gradient buffers, kept from step to step
+            at["forward"] = {**kept, "activations": forward_acts}
+            at["backward"] = {**kept, "reduce-scatter": max((cast + 4 * gloo) * b + 4 * _shard(b, n) for b in sizes)}
+        else:
+            kept["gradients"] = states["gradients"]  # the shards' gradients
+            at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": w * P if accum else 0}
+            at["backward"] = {**kept, **_zero2_backward(sizes, n, gloo, acts["saved"], P, w if accum else 0)}
+        # Per bucket: the fp32 copy of a bf16 gradient shard, AdamW's temporary; then the all-gather.
+        at["step"] = {**kept, "optimizer step temporary": max((cast + 4) * _shard(b, n) for b in sizes)}
+        at["refresh"] = {**kept, "all-gather": max(w * _shard(b, n) for b in sizes)}  # the shard sent, a copy
+    else:
+        at.update(_fsdp(s, setup, kept, acts, c, gloo, accum))  # the shards' gradients come in backward
+        # AdamW's temporary is the size of the fp32 shard it steps, as is the shard's gradient.
+        at["step"] = {**kept, "gradients": states["gradients"], "optimizer step temporary": states["gradients"]}
+    return at
+
+
+def _zero2_backward(sizes, n, gloo, saved, P, accumulated) -> dict:
+    """ZeRO-2: the bucket being filled (fp32) beside the one on the wire (fp32 input, gloo's copy,
+    the output shard), as each bucket is sent; activations of layers still to come are alive, and
+    with accumulation (`accumulated` bytes per element) so are their parameters' kept gradients."""
+    worst, done = {}, 0
+    for i, b in enumerate(sizes):
+        on_wire = (4 + 4 * gloo) * sizes[i - 1] + 4 * _shard(sizes[i - 1], n) if i else 0
+        sent = (4 + 4 * gloo) * b + 4 * _shard(b, n)
+        alive = saved * max(P - done - b, 0) // P
+        now = {"buckets in flight": max(4 * b + on_wire, sent), "activations still saved": alive,
+               "accumulated gradients": accumulated * (P - done - b)}
+        if sum(now.values()) > sum(worst.values()):
+            worst = now
+        done += b
+    return worst
+
+
+class _Timeline:
+    """Bytes alive as a strategy allocates and frees, by term; keeps the breakdown at the peak."""
+
+    def __init__(self, kept: dict):
+        self.live, self.worst = dict(kept), dict(kept)
+
+    def add(self, term: str, nbytes: float) -> None:
+        self.live[term] = self.live.get(term, 0) + nbytes
+        if sum(self.live.values()) > sum(self.worst.values()):
+            self.worst = dict(self.live)
+
+
+def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
+    """FSDP, walked unit by unit through the last micro-batch's forward and backward.
+
+    Units: one per decoder layer and the root (embeddings, final norm, output layer), or the
+    whole model as one unit without the wrap policy. What each moment allocates:
+    - a gather (in bf16, of a bf16 copy of the fp32 shard): minidist all-gathers straight into
+      the unit's full buffer; FSDP2 into a buffer of its own, then copies out into the weights,
+      and lets the buffer go (in forward, only at the next unit's copy-out);
+    - forward: the root is gathered first and stays gathered while the layers run; each layer is
+      gathered with the next one prefetched, and freed after its forward; activations grow layer
+      by layer. minidist frees the root after forward; FSDP2 keeps it gathered for backward;
+    - backward: the root is gathered again (minidist); the output layer's gradient comes first,
+      the embedding's last. Per layer: the unit is gathered with the one before prefetched, a
+      checkpointed layer's activations come back, the weights' gradients arrive while the
+      activations go; minidist's autograd concatenates them into one flat gradient (split's
+      backward; both for a moment); the gradient is cast or copied to an fp32 reduce-scatter
+      input (minidist in fp32 sends the flat gradient itself), with its output shard; the unit
+      is freed. The previous unit's reduce-scatter is waited for (by FSDP2 before it starts this
+      one, by minidist after): its input goes, its output is the shard's gradient. gloo copies a
+      reduce-scatter's input while the collective runs;
+    - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
+      in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it."""
+    n, torch_impl = setup.world_size, setup.options.impl == "torch"
+    per_layer, rest = acts["layer"], acts["saved"] - s.num_layers * acts["layer"]
+    if setup.options.layer_wrap_policy and s.layer_params:
+        root, layers = s.root_params, [s.layer_params] * s.num_layers
+    else:
+        root, layers, per_layer, rest = s.num_params, [], 0, acts["saved"]
+    kept_grad = 4 if torch_impl else c  # bytes per element of the accumulated full gradients
+    t = _Timeline({**kept, "accumulated gradients": kept_grad * s.num_params if accum else 0})
+    send = lambda u: c * _shard(u, n) if c == 2 else 0  # noqa: E731 (the bf16 copy of the fp32 shard, sent)
+    lingering = [0]  # FSDP2: the last all-gather buffer, let go at the next copy-out
+    single = torch_impl and n == 1  # FSDP2 on one rank: no collectives, the shard is the whole unit
+    held = lambda u: (c * u if c == 2 else 0) if single else c * u  # noqa: E731 (a gathered unit: fp32 views, or a bf16 copy)
+
+    def start_gather(u):
+        if single:
+            t.add("gathered units", held(u))
+            return
+        t.add("gathered units", c * u + send(u))
+
+    def finish_gather(u, linger=False):
+        if single:
+            return
+        if torch_impl:  # copy out of the all-gather buffer into the weights
+            t.add("gathered units", c * u)
+            t.add("gathered units", -c * lingering[0])  # the previous buffer, if it was kept
+            lingering[0] = u if linger else 0
+            t.add("gathered units", 0 if linger else -c * u)  # this one's, now or at the next copy-out
+        t.add("gathered units", -send(u))
+
+    def gather(u, prefetch, linger=False):  # this unit, now; the next one, started
+        if u:
+            finish_gather(u, linger)
+        if prefetch:
+            start_gather(prefetch)
+
+    start_gather(root)
+    finish_gather(root, linger=True)
+    if layers:
+        start_gather(layers[0])
+    for i, u in enumerate(layers):
+        gather(u, layers[i + 1] if i + 1 < len(layers) else 0, linger=True)
+        t.add("activations", per_layer)
+        t.add("gathered units", -held(u))
+    t.add("activations", rest + acts["weight_copies"])
+    t.add("logits", acts["logits"])  # the head's output, its fp32 copy and log-probabilities
+    if not torch_impl:
+        t.add("gathered units", -c * root)
+    t.add("gathered units", -c * lingering[0])  # FSDP2: backward's first copy-out lets the last one go
+    lingering[0] = 0
+    forward, t.worst = t.worst, dict(t.live)
+    if not torch_impl:
+        start_gather(root)
+        finish_gather(root)
+    full = "accumulated gradients" if accum else "gradients"  # where a unit's full gradient ends up
+    # A weight's new gradient waits for the unit's post-backward, except in FSDP2 accumulating in
+    # the weights' own dtype (fp32): autograd adds it into the kept gradient at once.
+    fresh = 0 if torch_impl and accum and c == 4 else c
+    pending = []  # the unit whose reduce-scatter is on the wire: (its size, its fp32 input, its output)
+
+    copy = 4 * gloo  # bytes per element of gloo's copy of a reduce-scatter's input, while it runs
+
+    def finish_pending():
+        for size, sent, out in pending:
+            t.add("reduce-scatters", 0 if torch_impl else copy * size)  # minidist's async call: seen at the wait
+            t.add("reduce-scatters", -sent - out - (0 if torch_impl else copy * size))
+            t.add(full, 0 if sent else -kept_grad * size)  # no copy was sent: the full gradient itself was
+            t.add("gradients", out)
+        pending.clear()
+
+    def concatenate(u):
+        """minidist: autograd joins the weights' gradients into the unit's flat one (split's
+        backward), both alive for a moment, before the unit is freed."""
+        if not torch_impl:
+            t.add("gradients", c * u)
+            t.add("gradients", -c * u)
+
+    def reduce(u):
+        """A unit whose weights all have this backward's gradients (c u bytes): reduce-scatter it."""
+        if accum:
+            t.add("gradients", -fresh * u)  # added into the full gradient kept since the first micro-batch
+        if torch_impl:
+            finish_pending()
+        into = 0 if c == 4 and not torch_impl else 4 * u
+        t.add("reduce-scatters", into)  # the fp32 input: a cast, or FSDP2's copy
+        t.add(full, -(kept_grad if accum else c) * u if into else 0)  # then the gradient it came from goes
+        t.add("reduce-scatters", 4 * _shard(u, n))  # the output shard
+        if torch_impl:  # FSDP2's collective runs within its post-backward hook
+            t.add("reduce-scatters", copy * u)
+            t.add("reduce-scatters", -copy * u)
+        finish_pending()
+        pending.append((u, into, 4 * _shard(u, n)))
+
+    head = s.head_linear_params if root == s.root_params else root
+    t.add("logits", -acts["logits"])  # consumed by the output layer's backward, which makes its gradient
+    t.add("gradients", fresh * head)
+    t.add("activations", -rest - acts["weight_copies"])  # the loss's and the output layer's, used first
+    if layers:
+        start_gather(layers[-1])
+    for i in reversed(range(len(layers))):
+        u = layers[i]
+        gather(u, layers[i - 1] if i else 0)
+        t.add("activations", acts["recompute"])
+        t.add("gradients", fresh * u)
+        t.add("activations", -acts["recompute"] - per_layer)
+        concatenate(u)
+        t.add("gathered units", -held(u))
+        reduce(u)
+    t.add("gradients", fresh * (root - head))
+    concatenate(root)
+    t.add("gathered units", -held(root))
+    reduce(root)
+    finish_pending()  # at the end of backward
+    return {"forward": forward, "backward": t.worst}
