@@ -1,4 +1,4 @@
-"""Benchmarks: the hand-written strategies against PyTorch's own as ratios; a collective's bandwidth.
+"""Benchmarks: the hand-written strategies against PyTorch's own as ratios; a collective's bandwidth; the GPU check.
 
     python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP; 2 CPU ranks
     python -m minidist.bench fsdp       # FSDP, ZeRO-2 (minidist) and torch FSDP2; 2 CPU ranks
@@ -6,10 +6,18 @@
                                         # one rank, no communication, the weights dominate
     python -m minidist.bench allreduce  # all-reduce time, algbw and busbw per message size; 2 CPU ranks
     torchrun --nproc_per_node 4 -m minidist.bench allreduce   # the same on 4 GPUs (nccl)
+    python -m minidist.bench gpu        # the GPU check: every strategy on one GPU, in minutes
+    python -m minidist.bench gpu --smoke  # the same code on the CPU, tiny sizes, in seconds
 
 - `strategies.py`: step time and whole-step peak memory of each implementation, turn by turn,
   as ratios to PyTorch's, with their spread over the rounds.
 - `collectives.py`: one collective per message size, as NVIDIA's nccl-tests time it.
+- `gpu.py`: the GPU check. At world size 1 over NCCL, all six setups (PyTorch's DDP and FSDP2,
+  the hand-written DDP, ZeRO-1, ZeRO-2, FSDP) in bf16 with gradient accumulation 2, with and
+  without activation checkpointing, on a Llama of about 1B: step time, tokens/s, MFU, whole-step
+  peak memory against the estimate, and the step time against PyTorch's; CodeLlama-7b's shapes
+  with FSDP where the GPU has 120 GB. It writes `table.md` and a profiler trace of one FSDP step.
+- `timeline.py`: one step under `torch.profiler`: its Chrome trace, and its timeline as a PNG.
 - `__main__.py`: the command.
 
 Nothing is imported here: each module is imported by its own name (`launch` starts fresh

@@ -1,6 +1,11 @@
-"""`python -m minidist.bench ddp|fsdp|allreduce`: the command (see `__init__.py`)."""
+"""`python -m minidist.bench ddp|fsdp|allreduce|gpu`: the command (see `__init__.py`)."""
 
 import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
 
 from minidist import bench
 from minidist.bench import collectives, strategies
@@ -28,7 +33,13 @@ def main(argv=None) -> None:
     p.add_argument("--factor", type=int, default=4, help="like nccl-tests -f: each size is the last x factor")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size")
+    p = commands.add_parser("gpu", help="every strategy on one GPU: step time, MFU, peak memory against the estimate")
+    p.add_argument("--smoke", action="store_true", help="the same code on the CPU with tiny sizes (a check of the command)")
+    p.add_argument("--out", default="runs/bench_gpu", help="folder for table.md, the profiler trace and its timeline")
     args = parser.parse_args(argv)
+    if args.what == "gpu":
+        gpu_main(args)
+        return
     if args.what == "allreduce":
         collectives.bandwidth_main(args)
         return
@@ -40,6 +51,26 @@ def main(argv=None) -> None:
     result = launch(worker, args.world_size, args.what, args.hidden_size, args.num_layers, args.batch_size,
                     args.seq_len, args.bucket_cap_mb, args.warmup, args.steps, args.rounds)[0]
     print(strategies.report(args.what, result, args))
+
+
+def gpu_main(args) -> None:
+    """The GPU check, after the mistakes a user can make are told in one line (exit 2)."""
+    from minidist.bench import gpu
+
+    problem = None
+    if not args.smoke and not torch.cuda.is_available():
+        problem = "no CUDA GPU here: run with --smoke to check the command on CPU"
+    elif os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) != "1":  # init_distributed would wait
+        problem = "the GPU check is one process on one GPU: run it with python in one task, not under torchrun"
+    else:
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            problem = f"cannot make the folder --out {args.out} ({err.strerror}): name another one"
+    if problem:
+        print(f"python -m minidist.bench gpu: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    gpu.main(args)
 
 
 if __name__ == "__main__":

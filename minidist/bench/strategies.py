@@ -15,8 +15,8 @@ Two things hide a wrapper's cost, and the command can rule both out. On 2 gloo r
 is mostly gloo's: `--world_size 1` leaves no communication to hide behind. And a small model at
 a large batch is mostly activations: a wide model at a small batch is mostly weights, as at 7B.
 The peak is measured over one whole step, every live tensor counted as a GPU's allocator would
-count it (`memory/measure.step_peak`: PyTorch's `MemTracker` on the CPU, the allocator's own
-counter on a GPU), not by category.
+count it (`memory/measure.step_peak`: `LiveTensors` on the CPU, the allocator's own counter on
+a GPU), not by category.
 """
 
 import copy
@@ -42,15 +42,19 @@ EXPECTED_BYTES = {"ddp": "2P(N-1)/N x 4 bytes = {two:.1f} MB",
                   "fsdp": "3P(N-1)/N x 4 bytes = {three:.1f} MB (FSDP), 2P(N-1)/N = {two:.1f} MB (ZeRO-2)"}
 
 
-def _time_steps(step, num_steps: int) -> list[float]:
-    """Seconds per step, each the slowest rank's."""
+def time_steps(step, num_steps: int) -> list[float]:
+    """Seconds per step, each the slowest rank's. On a GPU the clock stops when the GPU is done:
+    a kernel runs after the call that queued it has returned."""
+    device = get_env().device
     times = []
     for _ in range(num_steps):
         dist.barrier()  # start together, so no rank's time includes waiting for another
         start = time.perf_counter()
         step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times)
+    slowest = torch.tensor(times, device=device)  # NCCL reduces GPU tensors only
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
 
@@ -120,7 +124,7 @@ def time_implementations(what, hidden_size, num_layers, batch_size, seq_len, buc
         return run
 
     for name in wrapped:
-        _time_steps(step(name), warmup)  # first steps allocate memory and (bucketed) re-pack buckets
+        time_steps(step(name), warmup)  # first steps allocate memory and (bucketed) re-pack buckets
     bytes_per_step = {}
     for name in wrapped:
         comm.counter.reset()
@@ -129,7 +133,7 @@ def time_implementations(what, hidden_size, num_layers, batch_size, seq_len, buc
     times = {name: [] for name in wrapped}  # one list of step times per round
     for _ in range(rounds):
         for name in wrapped:
-            times[name].append(_time_steps(step(name), steps))
+            times[name].append(time_steps(step(name), steps))
     peaks = {}
     for name, (model, optimizer) in wrapped.items():  # one more step each, its peak watched
         peak = torch.tensor(float(step_peak(step(name), model, optimizer, env.device)), device=env.device)
