@@ -239,7 +239,7 @@ def activations(s: Shape, setup: Setup) -> dict:
 
 
 def buffers(s: Shape, setup: Setup) -> dict:
-    """Communication buckets, FSDP's gathered units, and the optimizer step's temporary."""
+    """Communication buckets and FSDP's gathered units (AdamW's temporary: `moments.py`)."""
     k, mode = setup.strategy, compute_mode(setup)
     c = 4 if mode == "fp32" else 2
     gathered = 0  # FSDP: the root and two layers at once (the whole model without the wrap policy)
@@ -248,20 +248,20 @@ def buffers(s: Shape, setup: Setup) -> dict:
         gathered = c * (s.root_params + 2 * s.layer_params if wrapped else s.num_params)
     # DDP's buckets hold a copy of every fp32 gradient (`--ddp_variant naive` has none).
     naive = setup.options.impl == "minidist" and setup.options.value("ddp_variant") == "naive"
-    updated = s.num_params if k == "ddp" else shard_numel(s, setup)  # what this rank's AdamW steps
     buckets = {"ddp": 0 if naive else 4 * s.num_params}.get(k, 0)
     if k in ("zero1", "zero2"):  # the largest flat gradient bucket (fp32), one at a time or two
         largest = max(moments.buckets([numel for _, numel in s.param_rows], int(setup.options.value("bucket_cap_mb") * 2**20)))
         buckets = 4 * largest * (2 if k == "zero2" else 1)
-        updated = math.ceil(largest / setup.world_size)  # ZeRO steps one bucket at a time
-    return {"gathered_units": gathered, "buckets": buckets, "optimizer_step": 4 * updated}
+    return {"gathered_units": gathered, "buckets": buckets}
 
 
 def estimate(s: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
     states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
-    peak = max(sum(terms.values()) for terms in moments.moments(s, setup, states, acts).values())
+    at = moments.moments(s, setup, states, acts)
+    peak = max(sum(terms.values()) for terms in at.values())
+    bufs["optimizer_step"] = at["step"]["optimizer step temporary"]  # AdamW's, as the step makes it
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
             "weight_copies": acts["weight_copies"], "recompute": acts["recompute"], "logits": acts["logits"],
             "peak": peak}

@@ -13,7 +13,7 @@ frees in its own order. Four moments cover the step, as `measure.LiveTensors` se
   still wait for backward (activations are freed as backward passes each layer, so the share
   still alive is the share of the layers' parameters whose gradients are still to come).
 - **step**: the optimizer step. AdamW's multi-tensor step allocates one fp32 temporary per
-  element it updates (sqrt(v)); ZeRO steps one bucket at a time, so only one bucket's worth.
+  element it updates (sqrt(v)); ZeRO steps a few buckets at a time (`zero.STEP_BYTES`).
 - **refresh**: ZeRO's all-gather of the updated shards into every rank's weights.
 
 A reduce-scatter's output, and its input cast to fp32 where the gradients are bf16, live until
@@ -29,6 +29,7 @@ loss's own tensors are one term here ("logits"), not walked operator by operator
 import torch
 
 from minidist.parallel.wrapper import pack_buckets
+from minidist.parallel.zero import STEP_BYTES
 
 
 def buckets(param_numels: list[int], cap_bytes: int) -> list[int]:
@@ -74,8 +75,10 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
             kept["gradients"] = states["gradients"]  # the shards' gradients
             at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": w * P if accum else 0}
             at["backward"] = {**kept, **_zero2_backward(sizes, n, gloo, acts["saved"], P, w if accum else 0)}
-        # Per bucket: the fp32 copy of a bf16 gradient shard, AdamW's temporary; then the all-gather.
-        at["step"] = {**kept, "optimizer step temporary": max((cast + 4) * _shard(b, n) for b in sizes)}
+        # Per group of buckets (zero.STEP_BYTES of masters): the fp32 copies of bf16 gradient
+        # shards and AdamW's temporary; then each bucket's all-gather.
+        groups = pack_buckets([torch.empty(_shard(b, n), device="meta") for b in sizes], STEP_BYTES)
+        at["step"] = {**kept, "optimizer step temporary": max((cast + 4) * sum(m.numel() for m in g) for g in groups)}
         at["refresh"] = {**kept, "all-gather": max(w * _shard(b, n) for b in sizes)}  # the shard sent, a copy
     else:
         at.update(_fsdp(s, setup, kept, acts, c, gloo, accum))  # the shards' gradients come in backward

@@ -45,7 +45,7 @@ of its shard. Same bytes on the wire, less memory, communication overlapped with
 In fp32 the master *is* the shard of the model's own flat buffer (a view, no copy). In bf16 the
 gradients are summed in `reduce_dtype` (fp32 by default: the bucket is cast for the collective)
 and the sum is kept in the gradient's own dtype, bf16; the optimizer gets an fp32 copy of its
-shard's gradient for the step only, one bucket at a time. With gradient accumulation, `no_sync()` micro-batches add
+shard's gradient for the step only, a few buckets at a time. With gradient accumulation, `no_sync()` micro-batches add
 into the local gradients without communication; ZeRO-2 then holds full gradients until the last
 micro-batch, as PyTorch's FSDP does with `set_requires_gradient_sync(False)`.
 
@@ -116,6 +116,9 @@ class FlatBucket:
         comm.all_gather(self.weights, mine.clone(), group=group)  # everyone's updated shards
 
 
+STEP_BYTES = 256 * 2**20  # fp32 masters stepped per call of the inner optimizer (one larger bucket alone)
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1: any `torch.optim` optimizer, each rank stepping only its shard of the parameters.
 
@@ -127,8 +130,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     after DDP; `ZeroDP` reduce-scatters them itself), steps `optimizer_class` on the masters, and
     all-gathers the updated shards into every rank's parameters. `param_groups` and `state` are
     the inner optimizer's, so learning-rate schedulers and checkpoints see the masters. It takes
-    one group of parameters (no per-group options), and steps the inner optimizer once per bucket,
-    relying on it to skip parameters without a gradient, as every `torch.optim` class does."""
+    one group of parameters (no per-group options), and steps the inner optimizer once per group
+    of buckets, relying on it to skip parameters without a gradient, as every `torch.optim` class does."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, bucket_cap_mb: float = 25.0,
                  **defaults):
@@ -148,19 +151,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One bucket at a time: give its master the fp32 gradient of its shard, step, all-gather.
-        The inner optimizer skips masters without a gradient, so each call updates one bucket,
-        and what a step allocates besides the states (the fp32 copy of a bf16 gradient, the
-        multi-tensor AdamW's temporaries) is one bucket's shard, not all of them at once."""
+        """A few buckets at a time (`STEP_BYTES` of masters): give each master the fp32 gradient of
+        its shard, step, all-gather. The inner optimizer skips masters without a gradient, so what
+        a step allocates besides the states (the fp32 copy of a bf16 gradient, the multi-tensor
+        AdamW's temporaries) is one group's, not the whole shard's; and the groups are few (27 for
+        CodeLlama-7b's 258 buckets on 4 ranks), so the optimizer's per-call work stays small."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for bucket in self.buckets:
-            bucket.master.grad = bucket.own_gradient().to(torch.float32)  # a view when it already is fp32
+        of_master = {id(b.master): b for b in self.buckets}
+        for masters in pack_buckets([b.master for b in self.buckets], STEP_BYTES):
+            group = [of_master[id(m)] for m in masters]
+            for bucket in group:
+                bucket.master.grad = bucket.own_gradient().to(torch.float32)  # a view when it already is fp32
             self.optimizer.step()
-            bucket.master.grad = None
-            bucket.refresh_weights(self.group)
+            for bucket in group:
+                bucket.master.grad = None
+                bucket.refresh_weights(self.group)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
