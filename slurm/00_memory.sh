@@ -15,14 +15,16 @@
 # (the same lines are the first of the job's log):
 # - ddp, 1 GPU: model states 107.8 GB (16 bytes x 6.74e9 parameters: fp32 weights 27.0, fp32
 #   gradients 27.0, AdamW's two moments 53.9) + DDP's gradient buckets 27.0 GB; peak about
-#   163.8 GB; "fits in 80.00 GB: no; largest batch per device that fits: none, not even 1".
+#   161.7 GB, in AdamW's step (its temporary: another 27.0 GB); "fits in 80.00 GB: no; largest
+#   batch per device that fits: none, not even 1".
 #   The job ends with torch.OutOfMemoryError (CUDA out of memory) in the first step, before
 #   any step is logged: weights and buckets (54 GB, allocated when the model is wrapped) + saved
 #   activations (15.3 GB) + autocast's bf16 weight copies (13.2 GB) are 83 GB by the end of the
 #   first forward; backward's 27 GB of gradients and AdamW's 54 GB of moments never get a chance.
 # - STRATEGY=fsdp, 1 GPU: peak about 134.8 GB, out of memory too; --gradient_checkpointing does
 #   not change the 107.8 GB of model states either. Only sharding them over GPUs does: FSDP on 4
-#   GPUs holds 27.0 GB of model states, peak about 43.2 GB (slurm/chess_finetune.sh).
+#   GPUs holds 27.0 GB of model states, peak about 35.2 GB in one micro-batch; with
+#   slurm/chess_finetune.sh's 2 accumulation steps (--gradient_accumulation_steps 2) about 61.6 GB.
 # Exit status: non-zero (the failure is the lesson). Read the estimate, then the traceback.
 #
 # The launch itself (srun, torchrun, rendezvous, batch sizes, requeue on preemption) is

@@ -12,14 +12,18 @@
 # --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB`):
 #   The model loads and wraps: every GPU holds the fp32 weights (27.0 GB) and, for the bucketed
 #   DDP, the gradient buckets (27.0 GB). Then CUDA runs out of memory in the first step, on every
-#   rank: the fp32 gradients (27.0 GB), AdamW's two moments (53.9 GB), autocast's bf16 weight
-#   copies (13.2 GB) and the activations (15.3 GB at 4 x 512 tokens) add up to a peak of about
-#   163.8 GB per GPU. Model states alone are 16 bytes x 6.74e9 parameters = 107.8 GB > 80 GB, on
-#   any number of GPUs: DDP replicates them. The naive variant has no buckets, and still needs
+#   rank: autocast's bf16 weight copies (13.2 GB) and the activations (15.3 GB at 4 x 512 tokens)
+#   pass 80 GB by the end of the first forward. Once AdamW's two moments (53.9 GB) exist, the
+#   estimated peak is about 136.9 GB per GPU for one micro-batch, at the end of forward (the
+#   gradients are not there yet), and 163.8 GB with chess_finetune.sh's 2 accumulation steps
+#   (--gradient_accumulation_steps 2: the first micro-batch's gradients are still held). Model
+#   states alone are 16 bytes x 6.74e9 parameters = 107.8 GB > 80 GB, on any number of GPUs: DDP
+#   replicates them. The naive variant has no buckets, and still needs
 #   107.8 GB. Lesson 04 (ZeRO) and lesson 05 (FSDP) shard what DDP replicates, and fit.
-#   With a model that fits (DDP holds 20 bytes per parameter throughout, 16 of model states and
-#   4 of buckets, plus the larger of AdamW's step temporary, 4 bytes per parameter, and the
-#   forward's activations with autocast's bf16 weight copies, 2 bytes per parameter: check with
+#   With a model that fits (minidist/memory/moments.py: DDP holds 16 bytes per parameter at the
+#   end of forward, weights, moments and buckets, plus the activations and autocast's bf16 weight
+#   copies, 2 bytes per parameter; 20 in backward and in AdamW's step, the gradients or the step's
+#   4-byte temporary beside them: check with
 #   `python -m minidist.memory MODEL --impl minidist --strategy ddp ...`),
 #   each step sends 2P(N-1)/N x 4 bytes per GPU (fp32 gradients; `comm_bytes` in
 #   OUTPUT_DIR/metrics.jsonl), and the loss curve matches FSDP's on the same model.

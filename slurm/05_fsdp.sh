@@ -10,11 +10,15 @@
 #   python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy fsdp \
 #       --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB [--no_layer_wrap_policy]
 # - with the layer wrap policy (33 units: 32 LlamaDecoderLayers and the root): model states
-#   16P/N = 27.0 GB per GPU, gathered units 3.07 GB, peak about 43.2 GB: it fits in 80 GB, and
-#   the loss falls over the 200 steps as in slurm/chess_finetune.sh;
-# - with --no_layer_wrap_policy: the whole model is gathered at once (bf16 weights and gradients
-#   plus the fp32 reduce-scatter input: 53.9 GB), peak about 94.0 GB: CUDA out of memory in the
-#   first step, on every rank;
+#   16P/N = 27.0 GB per GPU, gathered units (bf16 weights of the root and two layers) 1.33 GB,
+#   peak about 35.3 GB, in backward: it fits in 80 GB, and the loss falls over the 200 steps as
+#   in slurm/chess_finetune.sh. This script runs chess_finetune.sh's 4 per GPU x 2 accumulation
+#   steps, whose full bf16 gradients the estimate adds with --gradient_accumulation_steps 2:
+#   about 48.3 GB;
+# - with --no_layer_wrap_policy: the whole model is gathered at once (13.5 GB of bf16 weights),
+#   and in backward its whole gradient arrives beside them (autograd's and the flat one, 2 x 2P
+#   bytes for a moment): peak about 60.7 GB, 74.1 GB with the 2 accumulation steps. It still
+#   fits, with little room (largest batch per GPU 10 in one micro-batch, 6 with accumulation);
 # - both send 3P(N-1)/N elements per rank per step (weights all-gathered in bf16 twice, gradients
 #   reduce-scattered in fp32: 2 x 2 + 4 = 8 bytes x 6.74e9 x 3/4 = 40.4 GB per step, the
 #   `comm_bytes` of OUTPUT_DIR/metrics.jsonl), 1.5x DDP's element count (Zhao et al. 2023);

@@ -15,16 +15,17 @@
 # [--gradient_checkpointing]`, bf16; notebooks/06_activation_checkpointing.ipynb, section 4):
 #   default      checkpointing, batch 128 per GPU: saved activations 27.7 GB (each layer keeps
 #                only its bf16 input, 8 kB per token: 17.2 GB; the loss's fp32 log-probabilities
-#                8.4 GB), plus one recomputed layer (12.3 GB) or the logits (16.8 GB) at a time,
-#                over 27 GB of model states: peak ~74.6 GB, fits. The estimator's largest batch
-#                is 143; 128 keeps the total batch a power of 2.
-#   GRADIENT_CHECKPOINTING=0, batch 128: every layer keeps 96 MB per sequence, peak ~451 GB:
+#                8.4 GB), plus the logits (16.8 GB) at the start of backward, beside 20.2 GB of
+#                parameter and optimizer-state shards: peak ~65.4 GB, fits (the recomputed layer,
+#                12.3 GB, comes once the logits are gone). The estimator's largest batch is 169;
+#                128 keeps the total batch a power of 2.
+#   GRADIENT_CHECKPOINTING=0, batch 128: every layer keeps 96 MB per sequence, peak ~441 GB:
 #                CUDA out of memory in the first step. The largest batch that fits without
-#                checkpointing is 15 (peak ~79.3 GB at 15; ~56.3 GB at 8).
+#                checkpointing is 17 (peak ~76.7 GB at 17; ~47.2 GB at 8).
 #   GRADIENT_CHECKPOINTING=0 BATCH_SIZE_PER_DEVICE=8: the same 512 sequences per step in 16
-#                micro-batches; fits: ~56.3 GB, plus the full bf16 gradients minidist's FSDP keeps
-#                through no_sync micro-batches (2 x 6.74e9 = 13.5 GB, which the estimator does not
-#                count): ~70 GB. It gathers every unit twice per micro-batch: 32 all-gathers and one
+#                micro-batches; fits: ~60.6 GB with --gradient_accumulation_steps 16, which counts
+#                the full bf16 gradients minidist's FSDP keeps through no_sync micro-batches
+#                (2 x 6.74e9 = 13.5 GB). It gathers every unit twice per micro-batch: 32 all-gathers and one
 #                reduce-scatter of P per step instead of 2 and 1. Same losses as the default run,
 #                up to bf16 rounding.
 # Time: recomputation is one more forward of the 32 decoder layers, 2 x 6.48e9 FLOPs per token on

@@ -13,11 +13,13 @@
 # fsdp --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --gpu_memory 80GB
 # --mixed_precision bf16|fp32`; notebooks/07_mixed_precision.ipynb, section 6):
 #   bf16 (default)  model states 27.0 GB per GPU (fp32 master shard, gradient shard, Adam moments:
-#                   16P/N in both precisions), activations 12.6 GB, peak ~43.2 GB: fits (largest
-#                   batch 15). Sent per GPU per step: two bf16 all-gathers and an fp32
+#                   16P/N in both precisions), activations 12.6 GB, peak ~35.3 GB in backward
+#                   (largest batch 17); with this script's 2 accumulation steps
+#                   (--gradient_accumulation_steps 2) ~48.3 GB: fits. Sent per GPU per step: two bf16 all-gathers and an fp32
 #                   reduce-scatter, (2 + 2 + 4) x 6.74e9 x 3/4 = 40.4 GB (`comm_bytes`).
-#   MIXED_PRECISION=fp32  activations 22.8 GB, gathered units 5.3 GB, peak ~55.6 GB: fits
-#                   (largest batch 8); sent (4 + 4 + 4) x P x 3/4 = 60.6 GB per step. Much slower:
+#   MIXED_PRECISION=fp32  activations 22.8 GB, gathered units 2.7 GB, peak ~47.1 GB (largest
+#                   batch 9); with the 2 accumulation steps, whose full gradients are fp32 too,
+#                   ~73.7 GB: fits; sent (4 + 4 + 4) x P x 3/4 = 60.6 GB per step. Much slower:
 #                   an A100 does 19.5 TFLOP/s in fp32 (no TF32: PyTorch's default for matmuls)
 #                   against 312 in bf16 (NVIDIA A100 datasheet), so expect several times, up to
 #                   16x, the bf16 step time (`step_time_s`, `tokens_per_s` in

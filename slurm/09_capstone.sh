@@ -11,13 +11,16 @@
 #
 # Expected outcome (estimated, NOT run: this script has not run on GPUs yet). Memory per GPU from
 # `python -m minidist.memory codellama/CodeLlama-7b-hf --world_size 4 --max_seq_length 512
-# --gpu_memory 80GB --batch_size_per_device B [--strategy ddp] [--gradient_checkpointing]`:
-#   default (FSDP, 4 x 512 tokens, 2 accumulation steps)  model states 27.0 GB, peak ~43.2 GB: fits
+# --gpu_memory 80GB --batch_size_per_device B --gradient_accumulation_steps A [--strategy ddp]
+# [--gradient_checkpointing]`, with each run's own accumulation:
+#   default (FSDP, 4 x 512 tokens, 2 accumulation steps)  model states 27.0 GB, peak ~61.6 GB: fits
+#                                                          (FSDP2 keeps the full fp32 gradients, 27 GB,
+#                                                          through the accumulation; 35.2 GB without)
 #   --no_fsdp                                              model states 107.8 GB (+27 GB of DDP buckets),
 #                                                          peak ~163.8 GB: CUDA out of memory in step 1
-#   BATCH_SIZE_PER_DEVICE=1 / 2 / 8 (accumulation 8/4/1)   peak ~33.7 / 36.6 / 56.3 GB: all fit;
-#                                                          16 would need TOTAL_BATCH_SIZE=64 and ~82.6 GB
-#   --gradient_checkpointing                               activations 12.6 -> 0.9 GB, peak ~33.7 GB,
+#   BATCH_SIZE_PER_DEVICE=1 / 2 / 8 (accumulation 8/4/1)   peak ~52.5 / 55.4 / 47.4 GB: all fit;
+#                                                          16 would need TOTAL_BATCH_SIZE=64 (~73.7 GB)
+#   --gradient_checkpointing                               activations 12.6 -> 0.9 GB, peak ~50.4 GB,
 #                                                          about a third more time per step
 # Speed: the published FSDP figure for a 7B Llama on A100s is about 3,700 tokens/s per GPU, 57%
 # MFU (PyTorch blog "Maximizing training throughput using PyTorch FSDP", IBM and Meta, 2024: 128
