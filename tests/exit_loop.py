@@ -176,6 +176,8 @@ def main(argv=None) -> int:
             log = work / f"{name}.log"
             procs = start(run_arguments(strategy, i, games, work / name), log)
             running.append((strategy, log, procs, time.monotonic() + RUN_TIMEOUT_S))
+        if not running:  # out of time between two runs: nothing left to wait for
+            break
         strategy, log, procs, deadline = running.pop(0)
         codes = wait_all(procs, deadline)
         logs = sorted(work.glob(log.stem + "*.log"))
