@@ -47,6 +47,23 @@ def collectives_and_their_counts(shard_size):
             "ag_bytes": ag_bytes, "ar_bytes": comm.counter.bytes_sent}
 
 
+def scratch_reduce_scatter(shard_size):
+    """comm.reduce_scatter with and without `input_is_scratch`: the shard each gives, and the most
+    bytes alive during the call (`LiveTensors`, which sees gloo's copy of the input)."""
+    from minidist.memory.measure import LiveTensors
+
+    env = get_env()
+    n = env.world_size
+    out = {}
+    for scratch in (False, True):
+        full = torch.arange(n * shard_size, dtype=torch.float32) * (env.rank + 1)
+        shard = torch.empty(shard_size)
+        with LiveTensors(torch.device("cpu"), full, shard) as live:
+            comm.reduce_scatter(shard, full, async_op=True, input_is_scratch=scratch).wait()
+        out[scratch] = {"shard": shard, "peak": live.peak, "held": (full.numel() + shard.numel()) * 4}
+    return out
+
+
 def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket_cap_mb):
     """Train the hand-written DDP (naive, then bucketed; fp32, then fp64) from weights that
     differ by rank.

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minidist.launch import launch
-from ddp_workers import collectives_and_their_counts, ring_against_library
+from ddp_workers import collectives_and_their_counts, ring_against_library, scratch_reduce_scatter
 
 # Sizes that N does not divide, and sizes smaller than N (some ranks get an empty chunk).
 SIZES = [1, 2, 5, 7, 1001, 4099]
@@ -38,6 +38,22 @@ def test_reduce_scatter_and_all_gather_and_their_byte_counts(world):
         nbytes = world * shard_size * 4  # the full tensor
         assert r["rs_bytes"] == r["ag_bytes"] == (world - 1) * nbytes / world
         assert r["ar_bytes"] == 2 * (world - 1) * nbytes / world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_scratch_reduce_scatter_gives_the_same_shard_without_gloos_copy(world):
+    """PyTorch's gloo reduce-scatter all-reduces a copy of its input; ZeRO-2's and FSDP's inputs
+    are scratch, which `input_is_scratch` all-reduces in place instead: the same shard, and
+    nothing alive during the call but the input and the output, as under NCCL."""
+    shard_size = 1000
+    results = launch(scratch_reduce_scatter, world, shard_size, timeout_s=120)
+    total = torch.arange(world * shard_size, dtype=torch.float32) * sum(range(1, world + 1))
+    for rank, r in enumerate(results):
+        for scratch in (False, True):
+            torch.testing.assert_close(r[scratch]["shard"], total[rank * shard_size:(rank + 1) * shard_size],
+                                       rtol=0, atol=0)
+        assert r[True]["peak"] == r[True]["held"], r[True]
+        assert r[False]["peak"] == r[False]["held"] + world * shard_size * 4, r[False]  # gloo's copy, seen
 
 
 def test_the_counter_adds_collectives_over_groups_of_different_sizes_exactly():

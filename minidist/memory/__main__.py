@@ -20,7 +20,7 @@ def main(argv=None) -> None:
     p.add_argument("--max_seq_length", type=int, default=512)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                   help="gloo (CPU ranks) copies what it reduce-scatters; nccl (GPUs) does not")
+                   help="gloo (CPU ranks) copies what FSDP2 and ZeRO-1 reduce-scatter; nccl (GPUs) does not")
     p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")

@@ -179,9 +179,9 @@ class LiveTensors(TorchDispatchMode):
     Unlike `MemTracker` it keeps no per-module statistics, so a module may run several times in
     the block (gradient accumulation) and the step slows down less. A dispatch mode belongs to
     one thread: what a library allocates in threads of its own is seen only once this thread's
-    operators touch it. gloo copies the input of a reduce-scatter in its worker thread; the copy
-    shows from the `wait()` on, until the work is let go (`moments.py` counts it so). NCCL, on a
-    GPU, makes no such copy."""
+    operators touch it. PyTorch's gloo backend copies the input of a reduce-scatter in its worker
+    thread; the copy shows from the `wait()` on, until the work is let go (`moments.py` counts it
+    so). NCCL, on a GPU, makes no such copy, nor does `comm.reduce_scatter` with a scratch input."""
 
     def __init__(self, device: torch.device, *roots):
         super().__init__()

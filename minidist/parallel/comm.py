@@ -98,8 +98,32 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Sum ``input`` (N equal shards, concatenated) over the ranks; rank r gets shard r in ``output``."""
+class _ShardAfter:
+    """The handle of an all-reduce standing in for a reduce-scatter: `wait()` waits for the sum,
+    copies this rank's shard of it into the output, and lets the input go."""
+
+    def __init__(self, work, output: torch.Tensor, shard: torch.Tensor):
+        self.work, self.output, self.shard = work, output, shard
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.output.copy_(self.shard)
+            self.work = self.output = self.shard = None
+        return True
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+                   input_is_scratch: bool = False):
+    """Sum ``input`` (N equal shards, concatenated) over the ranks; rank r gets shard r in ``output``.
+
+    gloo has no reduce-scatter of its own: PyTorch's gloo backend all-reduces a copy of the
+    input, then copies shard r out, so for as long as the collective runs a rank holds a second
+    buffer the size of the input (and sends as much as an all-reduce: lesson 01). NCCL, on GPUs,
+    needs no such copy. A caller that is about to drop ``input`` anyway (ZeRO-2's and FSDP's
+    gradient buckets) says ``input_is_scratch=True``: on gloo the input itself is then all-reduced
+    in place (it ends up holding the sum) and shard r copied out at ``wait()``. Same bytes on the
+    wire as gloo's own reduce-scatter, without the copy, so that CPU memory shows what a GPU's would."""
     n = _world(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}")
@@ -107,6 +131,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
         output.copy_(input)
         return _local(async_op)
     counter.add(n - 1, input.numel() * input.element_size(), n)
+    if input_is_scratch and dist.get_backend(group) == "gloo":
+        work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        handle = _ShardAfter(work, output, input.view(n, -1)[dist.get_rank(group)])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
     return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

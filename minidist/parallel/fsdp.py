@@ -157,7 +157,7 @@ class Unit:
         full.grad = None
         grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
         out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True)
+        handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True, input_is_scratch=True)
         for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
             unit.finish_reduction(earlier, earlier_out)
         self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
