@@ -12,7 +12,8 @@
 # --gpu_memory 80GB --mixed_precision bf16 --batch_size_per_device 8 --max_seq_length 512`, and
 # the same with --strategy zero1 and ddp):
 #   zero2  model states 37.1 GB per GPU (13.5 bf16 weights + 3.4 gradient shard + 20.2 fp32
-#          master and Adam moments of the shard), peak ~63.4 GB: fits; largest batch per GPU 13.
+#          master and Adam moments of the shard), peak ~60.0 GB (in forward, before backward
+#          makes the gradient shards): fits; largest batch per GPU 14.
 #   zero1  model states 47.2 GB (the full 13.5 GB of gradients), peak ~73.5 GB: fits, with little
 #          room; largest batch per GPU 9 (BATCH_SIZE_PER_DEVICE=4: peak ~60.3 GB).
 #   ddp    model states 107.8 GB (16 bytes x 6.74e9 parameters): out of GPU memory in the first step.

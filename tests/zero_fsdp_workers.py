@@ -180,6 +180,38 @@ def fsdp_full_gradients_alive_at_once(model_dir):
     return {"most": most, "units": len(model.units), "reduced": all(u.flat_param.grad is not None for u in model.units)}
 
 
+def zero2_flat_gradients_alive_at_once(model_dir):
+    """The most flat gradient buffers the hand-written ZeRO-2 holds at once during one backward
+    (the bucket filling, the one on the wire, any other), read after every gradient's hook. The
+    buckets hold about one and a half decoder layers, so their edges fall inside layers, as the
+    25 MB default's do in the benchmark's model: a layer's `input_layernorm` comes last in
+    backward but is packed before its attention weights."""
+    from minidist import models
+    from minidist.parallel import zero
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    env = get_env()
+    model = models.load_model(model_dir)
+    cap_mb = 1.5 * 4 * sum(p.numel() for p in model.model.layers[0].parameters()) / 2**20
+    most, on_grad_ready = 0, zero.ZeroDP._on_grad_ready
+
+    def watched(self, param):
+        nonlocal most
+        on_grad_ready(self, param)
+        most = max(most, sum(b.grad is not None for b in self.buckets))
+
+    zero.ZeroDP._on_grad_ready = watched  # before wrapping: the gradient hooks bind it then
+    try:
+        wrapped = get_strategy(ParallelOptions("zero2", "minidist", bucket_cap_mb=cap_mb), env).wrap(model)
+        ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(env.rank))
+        wrapped(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        zero.ZeroDP._on_grad_ready = on_grad_ready
+    return {"most": most, "buckets": len(wrapped.buckets),
+            "reduced": all(b.grad_shard is not None and b.grad is None for b in wrapped.buckets)}
+
+
 def flats_alive_while_saving(model_dir):
     """For FSDP and ZeRO-2 by hand: the most gathered flats alive at once while the strategy
     collects the full weights (the final save) and a full checkpoint's state, and what each rank

@@ -17,9 +17,12 @@ frees in its own order. Four moments cover the step, as `measure.LiveTensors` se
 - **refresh**: ZeRO's all-gather of the updated shards into every rank's weights.
 
 A reduce-scatter's output, and its input cast to fp32 where the gradients are bf16, live until
-it is done: one in flight and one being filled (ZeRO-2, FSDP). gloo (the CPU backend) also
-copies every reduce-scatter's input into a buffer of its own, counted here where `LiveTensors`
-sees it (`measure.py`); NCCL, on GPUs, does not, so `backend="nccl"` leaves these copies out.
+it is done: one in flight and one being filled (ZeRO-2, FSDP). PyTorch's gloo backend (the CPU)
+also copies a reduce-scatter's input into a buffer of its own, counted here where `LiveTensors`
+sees it (`measure.py`); NCCL, on GPUs, does not, so `backend="nccl"` leaves these copies out. The
+hand-written ZeRO-2 and FSDP make no such copy on either: their inputs are scratch buffers, which
+`comm.reduce_scatter` all-reduces in place on gloo. ZeRO-1's input is the kept gradient buffer, so
+gloo copies it.
 
 Checked against `LiveTensors` in tests/test_memory.py (within 5%, every strategy). Where the
 logits outweigh a layer's activations several times over, FSDP's figure strays further: the
@@ -71,10 +74,10 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
             kept["gradients"] = w * P  # flat gradient buffers, kept from step to step
             at["forward"] = {**kept, "activations": forward_acts}
             at["backward"] = {**kept, "reduce-scatter": max((cast + 4 * gloo) * b + 4 * _shard(b, n) for b in sizes)}
-        else:
-            kept["gradients"] = states["gradients"]  # the shards' gradients
+        else:  # the shards' gradients come in backward (`_zero2_backward`)
             at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": w * P if accum else 0}
-            at["backward"] = {**kept, **_zero2_backward(sizes, n, gloo, acts["saved"], P, w if accum else 0)}
+            at["backward"] = {**kept, **_zero2_backward(sizes, n, w, acts["saved"], P, w if accum else 0)}
+            kept["gradients"] = states["gradients"]  # all of them, for the step
         # Per group of buckets (zero.STEP_BYTES of masters): the fp32 copies of bf16 gradient
         # shards and AdamW's temporary; then each bucket's all-gather.
         groups = pack_buckets([torch.empty(_shard(b, n), device="meta") for b in sizes], STEP_BYTES)
@@ -87,20 +90,30 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
     return at
 
 
-def _zero2_backward(sizes, n, gloo, saved, P, accumulated) -> dict:
-    """ZeRO-2: the bucket being filled (fp32) beside the one on the wire (fp32 input, gloo's copy,
-    the output shard), as each bucket is sent; activations of layers still to come are alive, and
-    with accumulation (`accumulated` bytes per element) so are their parameters' kept gradients."""
-    worst, done = {}, 0
+def _zero2_backward(sizes, n, w, saved, P, accumulated) -> dict:
+    """ZeRO-2, bucket by bucket in backward's order, at the two moments that can peak:
+    - a bucket opens (its first gradient came): its flat fp32 gradient is allocated beside the
+      one on the wire (fp32 input and output shard), while the activations of its layers and of
+      those still to come are alive, and with accumulation (`accumulated` bytes per element) so
+      are the kept gradients of its parameters and of those still to come (each goes once it is
+      copied into the flat buffer);
+    - a bucket is sent: the previous one's collective is done, the flat buffer and its output shard.
+    The shards' gradients (`w` bytes per element) are made by the reduce-scatters and let go by
+    `zero_grad`, so only the buckets already reduced hold theirs."""
+    worst, done, landed = {}, 0, 0
     for i, b in enumerate(sizes):
-        on_wire = (4 + 4 * gloo) * sizes[i - 1] + 4 * _shard(sizes[i - 1], n) if i else 0
-        sent = (4 + 4 * gloo) * b + 4 * _shard(b, n)
-        alive = saved * max(P - done - b, 0) // P
-        now = {"buckets in flight": max(4 * b + on_wire, sent), "activations still saved": alive,
-               "accumulated gradients": accumulated * (P - done - b)}
-        if sum(now.values()) > sum(worst.values()):
-            worst = now
+        previous = sizes[i - 1] if i else 0
+        on_wire = 4 * previous + 4 * _shard(previous, n) if i else 0
+        opening = {"buckets in flight": 4 * b + on_wire, "gradients": landed - w * _shard(previous, n),
+                   "activations still saved": saved * (P - done) // P, "accumulated gradients": accumulated * (P - done)}
+        sending = {"buckets in flight": 4 * b + 4 * _shard(b, n), "gradients": landed,
+                   "activations still saved": saved * max(P - done - b, 0) // P,
+                   "accumulated gradients": accumulated * (P - done - b)}
+        for now in (opening, sending):
+            if sum(now.values()) > sum(worst.values()):
+                worst = now
         done += b
+        landed += w * _shard(b, n)
     return worst
 
 
@@ -134,8 +147,8 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
       backward; both for a moment); the gradient is cast or copied to an fp32 reduce-scatter
       input (minidist in fp32 sends the flat gradient itself), with its output shard; the unit
       is freed. The previous unit's reduce-scatter is waited for (by FSDP2 before it starts this
-      one, by minidist after): its input goes, its output is the shard's gradient. gloo copies a
-      reduce-scatter's input while the collective runs;
+      one, by minidist after): its input goes, its output is the shard's gradient. Under FSDP2,
+      gloo copies a reduce-scatter's input while the collective runs;
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
       in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it."""
     n, torch_impl = setup.world_size, setup.options.impl == "torch"
@@ -197,7 +210,9 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
     fresh = 0 if torch_impl and accum and c == 4 else c
     pending = []  # the unit whose reduce-scatter is on the wire: (its size, its fp32 input, its output)
 
-    copy = 4 * gloo  # bytes per element of gloo's copy of a reduce-scatter's input, while it runs
+    # Bytes per element of gloo's copy of a reduce-scatter's input, while it runs. minidist's input is
+    # scratch, all-reduced in place on gloo (`comm.reduce_scatter`): no copy.
+    copy = 4 * gloo if torch_impl else 0
 
     def finish_pending():
         for size, sent, out in pending:

@@ -33,7 +33,8 @@ Bytes per rank per step: P(N-1)/N for the reduce-scatter + P(N-1)/N for the all-
 **ZeRO-2** (stage 2, gradients sharded too) does the same with one change: a bucket is
 reduce-scattered as soon as backward has filled it (from gradient hooks, while backward goes on,
 as the bucketed DDP does), and its full gradient is then dropped. A rank keeps only the gradient
-of its shard. Same bytes on the wire, less memory, communication overlapped with backward.
+of its shard, until `zero_grad` lets it go as it would a `param.grad`. Same bytes on the wire, less
+memory, communication overlapped with backward.
 
 **Memory per rank**, P parameters, N ranks (padding aside), AdamW:
 
@@ -78,8 +79,9 @@ class FlatBucket:
         for p, view in zip(params, self.layout.views(self.weights)):
             p.data = view  # the same Parameter object (hooks, names), its storage now the flat buffer
         self.grad = None  # ZeRO-1: the full flat gradient; ZeRO-2: the flat gradient of a backward, briefly
-        self.grad_shard = None  # ZeRO-2: the summed gradient of this rank's shard, kept
+        self.grad_shard = None  # ZeRO-2: the summed gradient of this rank's shard, from its reduce-scatter to zero_grad
         self.pending = len(params)  # gradients still to come in this backward
+        self.waiting = []  # ZeRO-2: indices of params whose gradient came, not yet copied into `grad`
         self.handle = None  # ZeRO-2: the asynchronous reduce-scatter, once launched
         self.reduced = None  # its output
 
@@ -104,8 +106,11 @@ class FlatBucket:
         elif set_to_none:
             for p in self.params:
                 p.grad = None
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
+        if self.grad_shard is not None:  # ZeRO-2: the next reduce-scatter makes it again
+            if set_to_none:
+                self.grad_shard = None
+            else:
+                self.grad_shard.zero_()
 
     @torch.no_grad()
     def refresh_weights(self, group) -> None:
@@ -201,6 +206,7 @@ class ZeroDP(DataParallelWrapper):
                     p.grad = view  # autograd adds into an existing .grad in place
         self.count = GradientCount(module, self.params, "ZeRO")
         self._in_flight: list[FlatBucket] = []  # ZeRO-2: the bucket whose reduce-scatter is on the wire
+        self._open = 0  # ZeRO-2: the bucket gradients are copied into now (the buckets are in backward's order)
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
 
@@ -213,21 +219,39 @@ class ZeroDP(DataParallelWrapper):
         if not self.require_sync:
             return  # accumulation: the gradient stays local, in param.grad
         bucket, i = self._slot[id(param)]
-        if self.stage == 2:  # copy into the bucket's flat buffer, in the dtype of the reduction
-            if bucket.grad is None:
-                bucket.grad = torch.zeros(bucket.layout.padded_numel, dtype=self.mp.reduce_dtype, device=param.device)
-            offset = bucket.layout.offsets[i]
-            bucket.grad[offset:offset + param.numel()].copy_(param.grad.view(-1))
-            param.grad = None  # the full gradient of this parameter is gone
         bucket.pending -= 1
-        if self.stage == 2 and bucket.pending == 0:  # full: send it now, while backward goes on
-            for earlier in self._in_flight:  # at most two flat gradients alive: the one filling, the one sent
-                self._keep_shard(earlier)
-            bucket.reduced = torch.empty(bucket.layout.shard_numel, dtype=self.mp.reduce_dtype, device=param.device)
-            bucket.handle = comm.reduce_scatter(bucket.reduced, bucket.grad, group=self.group, async_op=True)
-            self._in_flight = [bucket]
+        if self.stage == 2:
+            bucket.waiting.append(i)
+            self._fill()
         if self.count.add(param):  # backward is over
             self._finish_reduction()
+
+    def _fill(self) -> None:
+        """ZeRO-2: copy the gradients that came into the open bucket, send it once it is full, open
+        the next. Backward does not produce gradients exactly in the buckets' order (a Llama
+        layer's `input_layernorm` comes after its attention weights, which may sit in the next
+        bucket), so one bucket is open at a time: a gradient of a later bucket waits in its
+        `param.grad` until that bucket opens. Alive at most: the open bucket, the one on the wire,
+        and the few gradients that came early, not a third bucket-sized buffer."""
+        while self._open < len(self.buckets) and self.buckets[self._open].waiting:
+            bucket = self.buckets[self._open]
+            if bucket.grad is None:  # the flat gradient, in the dtype of the reduction; padding stays 0
+                bucket.grad = torch.zeros(bucket.layout.padded_numel, dtype=self.mp.reduce_dtype,
+                                          device=bucket.weights.device)
+            for i in bucket.waiting:
+                p, offset = bucket.params[i], bucket.layout.offsets[i]
+                bucket.grad[offset:offset + p.numel()].copy_(p.grad.view(-1))
+                p.grad = None  # the full gradient of this parameter is gone
+            bucket.waiting.clear()
+            if bucket.pending:
+                return
+            for earlier in self._in_flight:  # at most two flat gradients alive: the one filling, the one sent
+                self._keep_shard(earlier)
+            bucket.reduced = torch.empty(bucket.layout.shard_numel, dtype=self.mp.reduce_dtype, device=bucket.grad.device)
+            bucket.handle = comm.reduce_scatter(bucket.reduced, bucket.grad, group=self.group, async_op=True,
+                                                input_is_scratch=True)
+            self._in_flight = [bucket]
+            self._open += 1
 
     def _finish_reduction(self) -> None:
         for bucket in self.buckets:
@@ -238,15 +262,13 @@ class ZeroDP(DataParallelWrapper):
                 bucket.grad[bucket.layout.shard_slice].copy_(reduced.div_(self.world_size))  # sum -> average
         for bucket in self._in_flight:
             self._keep_shard(bucket)
-        self._in_flight = []
+        self._in_flight, self._open = [], 0
 
     def _keep_shard(self, bucket: FlatBucket) -> None:
-        """ZeRO-2: wait for a bucket's reduce-scatter, keep its shard (averaged), drop the rest."""
+        """ZeRO-2: wait for a bucket's reduce-scatter; its output, averaged, is the shard's gradient
+        (cast to the gradient's dtype where the sum was taken in another); the rest is dropped."""
         bucket.handle.wait()
-        if bucket.grad_shard is None:
-            bucket.grad_shard = torch.empty(bucket.layout.shard_numel, dtype=self.mp.param_dtype,
-                                            device=bucket.reduced.device)
-        bucket.grad_shard.copy_(bucket.reduced.div_(self.world_size))
+        bucket.grad_shard = bucket.reduced.div_(self.world_size).to(self.mp.param_dtype)
         bucket.grad = bucket.reduced = bucket.handle = None  # only the shard's gradient stays
 
     # ------------------------------------------------------------------ what the strategy reads
