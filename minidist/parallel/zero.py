@@ -268,8 +268,9 @@ class ZeroDP(DataParallelWrapper):
         """ZeRO-2: wait for a bucket's reduce-scatter; its output, averaged, is the shard's gradient
         (cast to the gradient's dtype where the sum was taken in another); the rest is dropped."""
         bucket.handle.wait()
+        bucket.grad = bucket.handle = None  # the full flat gradient is summed and its shard copied out: let go
         bucket.grad_shard = bucket.reduced.div_(self.world_size).to(self.mp.param_dtype)
-        bucket.grad = bucket.reduced = bucket.handle = None  # only the shard's gradient stays
+        bucket.reduced = None  # only the shard's gradient stays
 
     # ------------------------------------------------------------------ what the strategy reads
     def refresh_weights(self) -> None:
