@@ -105,7 +105,8 @@ def _zero2_backward(sizes, n, w, saved, P, accumulated) -> dict:
         previous = sizes[i - 1] if i else 0
         on_wire = 4 * previous + 4 * _shard(previous, n) if i else 0
         opening = {"buckets in flight": 4 * b + on_wire, "gradients": landed - w * _shard(previous, n),
-                   "activations still saved": saved * (P - done) // P, "accumulated gradients": accumulated * (P - done)}
+                   "activations still saved": saved * (P - done) // P,
+                   "accumulated gradients": accumulated * (P - done)}
         sending = {"buckets in flight": 4 * b + 4 * _shard(b, n), "gradients": landed,
                    "activations still saved": saved * max(P - done - b, 0) // P,
                    "accumulated gradients": accumulated * (P - done - b)}
