@@ -227,12 +227,11 @@ class ZeroDP(DataParallelWrapper):
             self._finish_reduction()
 
     def _fill(self) -> None:
-        """ZeRO-2: copy the gradients that came into the open bucket, send it once it is full, open
-        the next. Backward does not produce gradients exactly in the buckets' order (a Llama
-        layer's `input_layernorm` comes after its attention weights, which may sit in the next
-        bucket), so one bucket is open at a time: a gradient of a later bucket waits in its
-        `param.grad` until that bucket opens. Alive at most: the open bucket, the one on the wire,
-        and the few gradients that came early, not a third bucket-sized buffer."""
+        """ZeRO-2: copy the gradients that came into the open bucket, send it once full, open the next.
+        Backward does not produce gradients exactly in the buckets' order (a Llama layer's
+        `input_layernorm` comes after its attention weights, which may sit in the next bucket), so
+        a gradient of a later bucket waits in its `param.grad` until that bucket opens. Alive at
+        most: the open bucket, the one on the wire, the few early gradients; no third bucket."""
         while self._open < len(self.buckets) and self.buckets[self._open].waiting:
             bucket = self.buckets[self._open]
             if bucket.grad is None:  # the flat gradient, in the dtype of the reduction; padding stays 0
