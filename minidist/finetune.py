@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from minidist import data, evaluate, metrics, models, preemption, state
 from minidist.distributed import cleanup, init_distributed
+from minidist.errors import UsageError
 from minidist.memory import measure
 from minidist.parallel.mesh import data_parallel_mesh
 from minidist.parallel.options import ParallelOptions
@@ -133,10 +134,6 @@ def train_step(model, strategy, micro_batches, num_targets: int, world_size: int
             (loss * world_size / num_targets).backward()
         loss_sum = loss_sum + loss.detach()  # stays on the device: no GPU sync per micro-batch
     return loss_sum
-
-
-class UsageError(Exception):
-    """A mistake the learner fixes by changing a flag, a file or a size: told in one line."""
 
 
 def train(args) -> dict:
