@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, metrics, models, preemption, state
+from minidist import data, evaluate, metrics, models, output_dir, preemption, state
 from minidist.distributed import cleanup, init_distributed
 from minidist.errors import UsageError
 from minidist.memory import measure
@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sharded: each rank writes its shard (DCP); full: a from_pretrained folder + optimizer.pt")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the latest checkpoint in --output_dir, or from the checkpoint folder given")
+    p.add_argument("--overwrite_output_dir", action="store_true", help="delete another run's checkpoints there first")
     args = p.parse_args(argv)
     if args.no_fsdp:
         args.strategy = "ddp"
@@ -139,6 +140,11 @@ def train_step(model, strategy, micro_batches, num_targets: int, world_size: int
 def train(args) -> dict:
     """Run the whole job on this rank; return what it measured (the tests compare these)."""
     env = init_distributed()
+    with output_dir.claimed(args, env.is_main), preemption.handlers_kept():  # this run's alone; see there
+        return _train(args, env)
+
+
+def _train(args, env) -> dict:
     mesh = data_parallel_mesh()  # today every rank is a data-parallel rank (see mesh.py)
     torch.manual_seed(args.seed + env.rank)  # ranks differ on purpose: wrapping must make them agree
     if not env.is_main:
@@ -155,12 +161,10 @@ def train(args) -> dict:
         # What a checkpoint must share with this run for the resume to be exact (state.verify).
         run = {"model": state.model_fingerprint(args.model), "strategy": f"{args.impl}/{args.strategy}",
                "global_batch_size": sampler.global_batch_size, "seed": args.seed, "num_examples": len(sequences)}
-        resume = state.find(args.resume, args.output_dir) if args.resume else None
-        if resume:
-            state.verify(resume, run)
+        resume = state.verify(state.find(args.resume, args.output_dir), run) if args.resume else None
     except (FileNotFoundError, NotImplementedError, ValueError) as err:
         raise UsageError(err) from err
-    stop_signals = preemption.StopSignals()  # from here SIGTERM/SIGUSR1 mean: save after this step, stop
+    stop_signals = preemption.StopSignals()  # from here SIGTERM/SIGUSR1/SIGINT mean: save after this step, stop
 
     model = strategy.load_model(args.model)  # minidist FSDP: rank 0 only; the others get shapes
     config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
@@ -246,7 +250,7 @@ def train(args) -> dict:
             bar.update()
             bar.set_postfix(loss=f"{record['loss']:.3f}")
         preemption.pause_if_asked("step", step + 1)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
-        stop = stop_signals.agreed(env.device)  # every rank votes, so all of them stop after this same step
+        stop = stop_signals.agreed(env.device, record)  # all ranks vote: all stop after this step (nan: unsaved)
         if stop or (args.save_steps and (step + 1) % args.save_steps == 0):
             saved = checkpoints.save(step + 1, sampler.position(step + 1), out / "metrics.jsonl",
                                      {"rate_before": results["rate_before"]})

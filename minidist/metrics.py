@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from minidist.errors import UsageError
+
 # Dense bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (without sparsity).
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
@@ -38,9 +40,13 @@ class MetricsLog:
         self.file = open(path, "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:  # a full disk: one line (rank 0 writes this; torchrun then ends the others)
+            raise UsageError(f"could not write {self.file.name}: {err.strerror}; free some space and run again "
+                             f"with --resume") from err
 
     def close(self) -> None:
         self.file.close()

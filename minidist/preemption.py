@@ -13,20 +13,30 @@ was signalled, all of them learn it after the same step, save one checkpoint tog
 and exit with status 75, EXIT_STOPPED ("EX_TEMPFAIL" in sysexits.h: try again later). Running
 the same command with `--resume` continues.
 
-The price: a rank stuck in a collective no longer dies of SIGTERM. The collective timeout
+Ctrl-C (SIGINT) is handled the same way. The terminal sends it to the whole foreground process
+group, torchrun and every rank, and torchrun sends it on once more. Python's own handler would
+raise KeyboardInterrupt wherever the rank happens to be, and where that is a `__del__` (autograd
+frees saved tensors through them, `memory/measure.py`), Python prints the exception and carries on:
+one rank trained on alone until torchrun's SIGKILL, 30 s later, with nothing saved.
+
+The price: a rank stuck in a collective no longer dies of SIGTERM or Ctrl-C. The collective timeout
 (`distributed.py`) ends it, or the SIGKILL that torchrun and SLURM send after their grace period.
 """
 
+import math
 import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-EXIT_STOPPED = 75  # stopped by SIGTERM/SIGUSR1 after saving a checkpoint: run again with --resume
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+from minidist.errors import UsageError
+
+EXIT_STOPPED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving a checkpoint: run again with --resume
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
 _received = None  # the stop signal this process got, if any: all a handler can safely do is set it
 
@@ -37,7 +47,7 @@ def _on_signal(signum, frame):
 
 
 class StopSignals:
-    """While installed, SIGTERM and SIGUSR1 ask for a checkpoint and a stop at the next step boundary."""
+    """While installed, SIGTERM, SIGUSR1 and SIGINT ask for a checkpoint and a stop at the next step boundary."""
 
     def __init__(self):
         global _received
@@ -49,15 +59,39 @@ class StopSignals:
         """The name of the signal this rank got, if it got one."""
         return signal.Signals(_received).name if _received else None
 
-    def agreed(self, device) -> bool:
-        """Did any rank get a stop signal? A collective: every rank calls it at every step boundary."""
-        vote = torch.tensor([1 if _received else 0], device=device)
+    def agreed(self, device, record: dict | None = None) -> bool:
+        """Did any rank get a stop signal? A collective: every rank calls it at every step boundary.
+
+        The same vote stops the run on a step whose loss or gradient norm (`record`) is nan or
+        infinite: that update has spoiled the weights, and every step and save after it would only
+        spread them (the newest checkpoints rotate the good ones out). So every rank raises, before
+        this step's save, one line. They vote because a gradient norm can be one rank's own."""
+        loss, norm = (record["loss"], float(record["grad_norm"])) if record else (0.0, 0.0)
+        vote = torch.tensor([1 if _received else 0, 0 if math.isfinite(loss) and math.isfinite(norm) else 1],
+                            device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        return bool(vote.item())
+        if vote[1].item():
+            raise UsageError(f"training diverged: step {record['step']} has loss {loss} and gradient norm {norm}; "
+                             f"it was not saved, and the checkpoints before it are intact; lower --learning_rate "
+                             f"(or raise --warmup_steps) and start again, or --resume from an earlier checkpoint")
+        return bool(vote[0].item())
 
     def restore(self) -> None:
         """Put back the handlers there were before."""
         for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+@contextmanager
+def handlers_kept():
+    """`with handlers_kept():` the handlers of the stop signals are put back on the way out, even when
+    an error ends the run between `StopSignals()` and its `restore()` (a process that lives on, a
+    notebook or a test, must get its own Ctrl-C back)."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
             signal.signal(s, handler)
 
 

@@ -29,18 +29,22 @@ hand out their flat shards instead (`sharded_state.py`): one DTensor per *flat* 
 unit, `DTensor.from_local`, `Shard(0)`), and take them back; DCP then saves and reshards them
 like FSDP2's, and nothing here changes.
 
-**Atomic.** A save writes `checkpoint-N.tmp/`; every rank fsyncs its files; a barrier; then rank 0
-writes `checkpoint.json` (the manifest: what the checkpoint holds and every file's size) and
-publishes with one `os.rename` to `checkpoint-N`, then replaces the `latest` pointer (a text file
-naming the folder) by the same write-then-rename. A kill at any moment leaves `latest` naming a
-complete checkpoint. A rename is atomic within one file system; that is why nothing is ever
-published by writing in place. Only the newest K checkpoints are kept (`--save_total_limit`).
+**Atomic.** A save writes `checkpoint-N.tmp/`; every rank fsyncs its files; the ranks compare
+outcomes (a full disk fails the save on all of them, and the `.tmp` goes: `save_errors.py`); the
+ranks hash the files together (`checksums.py`); then rank 0 writes `checkpoint.json` (the manifest:
+what the checkpoint holds, every file's size and checksum, and a checksum of the manifest itself)
+and publishes with one `os.rename` to `checkpoint-N`, then replaces the `latest` pointer (a text
+file naming the folder) by the same write-then-rename. A kill at any moment leaves `latest` naming
+a complete checkpoint; `verify` refuses one whose bytes changed since. A rename is atomic within
+one file system; that is why nothing is ever published by writing in place. Only the newest K
+checkpoints are kept (`--save_total_limit`).
 On several nodes, `--output_dir` must be a file system they all share, as DCP assumes too.
 
 When a save happens is the loop's business: every `--save_steps`, and when the cluster asks the
 run to stop (`preemption.py`).
 """
 
+import hashlib
 import json
 import os
 import random
@@ -50,6 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minidist import checksums, save_errors
 from minidist.preemption import pause_if_asked
 
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -89,6 +94,11 @@ def _write(path: Path, content, text=False) -> None:
         os.fsync(f.fileno())
 
 
+def _manifest_checksum(meta: dict) -> str:
+    """checkpoint.json's own checksum, of everything else in it: a damaged step number is refused too."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
 def _rng_state(device) -> dict:
     version, state, gauss = random.getstate()
     rng = {"torch": torch.get_rng_state(), "python": (version, torch.tensor(state), gauss)}
@@ -121,19 +131,33 @@ def find(resume: str, output_dir) -> Path:
     return target
 
 
-def verify(path: Path, run: dict) -> dict:
+def verify(path: Path, run: dict) -> Path:
     """Refuse, in one sentence and before any training, a checkpoint that is incomplete, damaged
-    or written by another kind of run; return its manifest."""
+    or written by another kind of run; return its path. Every rank calls it (it hashes the files)."""
+    manifest = path / "checkpoint.json"
     try:
-        meta = json.loads((path / "checkpoint.json").read_text())
+        meta = json.loads(manifest.read_text())
+        files, sums = meta["files"], meta["checksums"]
+        intact = meta.pop("manifest_checksum") == _manifest_checksum(meta) and files.keys() == sums.keys()
     except FileNotFoundError:
         raise ValueError(f"{path} is not a complete checkpoint (no checkpoint.json: a save that never finished?); "
                          f"resume from another one") from None
-    for name, size in meta["files"].items():
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not our manifest
+        intact = False
+    if not intact:
+        raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
+                         f"manifest); resume from another checkpoint or start afresh without --resume")
+    for name, size in files.items():
         have = (path / name).stat().st_size if (path / name).exists() else 0
         if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
             raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
                              f"resume from another checkpoint or start afresh without --resume")
+    found = checksums.file_checksums(path, list(files))  # every rank hashes its share of the pieces
+    for name in files:
+        if found[name] != sums[name]:  # bytes overwritten in place: only a checksum sees it
+            raise ValueError(f"checkpoint {path} is damaged: {name} does not match its checksum (its bytes "
+                             f"changed since the save); resume from another checkpoint or start afresh "
+                             f"without --resume")
     for key, what, fix in (("model", "model", "pass the --model it was trained from"),
                            ("strategy", "strategy", "resume with the same --impl and --strategy"),
                            ("global_batch_size", "global batch", "keep batch x ranks x accumulation the same"),
@@ -146,7 +170,7 @@ def verify(path: Path, run: dict) -> dict:
                 ours = ", ".join(f"{k} {ours[k]}" for k in keys)
             raise ValueError(f"checkpoint {path} was written with another {what} ({theirs}; this run: {ours}); "
                              f"{fix}, or use another --output_dir")
-    return meta
+    return path
 
 
 # ---------------------------------------------------------------- save and load
@@ -160,45 +184,64 @@ class Checkpointer:
         self.keep, self.tokenizer, self.env = keep, tokenizer, strategy.env
 
     def save(self, step: int, position, metrics_path: Path, extra: dict) -> Path:
-        """Every rank calls this at the same step boundary. Returns the published folder."""
+        """Every rank calls this at the same step boundary. Returns the published folder. A full
+        disk fails it on every rank at once, in one line, with the `.tmp` removed (`save_errors.py`)."""
+        save_errors.refuse_non_finite(self.optimizer, self.env.device, step)  # never a nan state over a good one
         final, rank = self.root / f"checkpoint-{step}", self.env.rank
         tmp = final.with_name(final.name + ".tmp")
+        failure = None  # this rank's first failed write; the ranks compare them before publishing
+
+        def attempt(write) -> None:  # not after a failure; and a collective never inside one
+            nonlocal failure
+            if failure is None:
+                try:
+                    write()
+                except Exception as err:  # noqa: BLE001 (save_errors.agree tells the disk's faults from bugs)
+                    failure = err
+
         if self.env.is_main:
-            for stale in self.root.glob("checkpoint-*.tmp"):  # saves that a kill cut short
-                shutil.rmtree(stale)
-            tmp.mkdir(parents=True)
+            attempt(lambda: [shutil.rmtree(stale) for stale in self.root.glob("checkpoint-*.tmp")])  # cut short
+            attempt(lambda: tmp.mkdir(parents=True))
         dist.barrier()
-        _write(tmp / f"rng-{rank}.pt", _rng_state(self.env.device))
+        attempt(lambda: _write(tmp / f"rng-{rank}.pt", _rng_state(self.env.device)))
         if self.form == "sharded":
             import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.api import CheckpointException
 
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=False)
-            # Each rank writes its own shard file (and fsyncs it); rank 0 adds DCP's .metadata.
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            try:  # Each rank writes its own shard file (and fsyncs it); rank 0 adds DCP's .metadata.
+                dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            except (Exception, CheckpointException) as err:  # DCP raises on every rank if one failed
+                failure = failure or err
         else:
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=True)
             if self.env.is_main:  # the others got empty dicts: the whole state is on rank 0's CPU
-                self.strategy.unwrap(self.model).save_pretrained(tmp / "model", state_dict=model_sd)
+                attempt(lambda: self.strategy.unwrap(self.model).save_pretrained(tmp / "model", state_dict=model_sd))
                 if self.tokenizer is not None:
-                    self.tokenizer.save_pretrained(tmp / "model")
-                _write(tmp / "optimizer.pt", optim_sd)
-            del model_sd, optim_sd
+                    attempt(lambda: self.tokenizer.save_pretrained(tmp / "model"))
+                attempt(lambda: _write(tmp / "optimizer.pt", optim_sd))
+        del model_sd, optim_sd
         if self.env.is_main:
-            _write(tmp / "scheduler.pt", self.scheduler.state_dict())
             lines = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= step]
-            _write(tmp / "metrics.jsonl", "".join(l + "\n" for l in lines), text=True)
+            attempt(lambda: _write(tmp / "scheduler.pt", self.scheduler.state_dict()))
+            attempt(lambda: _write(tmp / "metrics.jsonl", "".join(l + "\n" for l in lines), text=True))
         pause_if_asked("save", step)
-        dist.barrier()  # every shard is on disk: only now may rank 0 publish
+        # Every rank has written (or failed): only if all succeeded may rank 0 publish.
+        save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
+        sums = checksums.folder_checksums(tmp)  # every rank hashes its share of the pieces
+        failure = None
         if self.env.is_main:
-            self._publish(tmp, final, step, position, extra)
-        dist.barrier()  # nobody leaves (and maybe exits) before the checkpoint is published
+            attempt(lambda: self._publish(tmp, final, step, position, extra, sums))
+        # Nobody leaves (and maybe exits) before the checkpoint is published, or learns it was not.
+        save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
         return final
 
-    def _publish(self, tmp: Path, final: Path, step: int, position, extra: dict) -> None:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    def _publish(self, tmp: Path, final: Path, step: int, position, extra: dict, sums: dict) -> None:
+        files = {name: (tmp / name).stat().st_size for name in sums}
         meta = {"step": step, "form": self.form, "world_size": self.env.world_size,
                 "position": {"epoch": position[0], "offset": position[1]}, "run": self.run,
-                "extra": extra, "files": files}
+                "extra": extra, "files": files, "checksums": sums}
+        meta["manifest_checksum"] = _manifest_checksum(meta)
         _write(tmp / "checkpoint.json", json.dumps(meta, indent=1), text=True)  # last: "complete"
         _fsync_tree(tmp)
         old = final.with_name(final.name + ".replaced")
