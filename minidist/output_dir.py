@@ -9,10 +9,12 @@ in one line (`claimed`):
   checkpoints. So rank 0 takes a lock: it writes `minidist.lock` (its host and pid) under a private
   name and hard-links it to the lock's name, which fails if the lock exists: of two runs that try at
   once, exactly one gets it, and a lock is never seen half-written. It is removed when the run
-  ends. A lock whose run was killed (SIGKILL leaves no time to remove it) is *stale*: its host is
-  this one and no process has its pid any more, and it is taken over. (A pid can be reused: then a
-  stale lock looks live, and the message says which pid to check.) A lock from another host cannot
-  be checked from here: the message names it, to be removed by hand if that run is gone.
+  ends. A lock whose run was killed (SIGKILL leaves no time to remove it) is *stale*, and taken
+  over, when its host is this one and no process has its pid any more, or when it names this very
+  SLURM job (`SLURM_JOB_ID`): a requeued job keeps its id, may start on another node, and its
+  earlier start is gone. (A pid can be reused: then a stale lock looks live, and the message says
+  which pid to check.) Any other lock from another host cannot be checked from here: the message
+  names it, to be removed by hand if that run is gone.
 - **A fresh run into another run's checkpoints.** Its `latest` would name the old run's newest
   checkpoint, and the rotation (`--save_total_limit`) would keep the old run's higher-numbered
   checkpoints and delete the new ones. Refused, unless `--resume` (continue that run) or
@@ -63,7 +65,7 @@ def claimed(args, is_main: bool):
 
 
 def _mine() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID")}
 
 
 def _lock(out: Path) -> str | None:
@@ -91,12 +93,14 @@ def _lock(out: Path) -> str | None:
 def _holder(lock: Path) -> dict | None:
     try:
         holder = json.loads(lock.read_text())
-        return {"host": str(holder["host"]), "pid": int(holder["pid"])}
+        return {"host": str(holder["host"]), "pid": int(holder["pid"]), "job": holder.get("job")}
     except (OSError, ValueError, KeyError, TypeError):
         return None  # gone meanwhile, or not a lock we wrote: nobody holds it
 
 
 def _alive(holder: dict) -> bool:
+    if holder["job"] is not None and holder["job"] == os.environ.get("SLURM_JOB_ID"):
+        return False  # an earlier start of this job, requeued (see module doc)
     if holder["host"] != socket.gethostname():
         return True  # cannot tell from here: assume the run is alive (see module doc)
     try:
@@ -117,7 +121,10 @@ def _other_runs(out: Path, resume, overwrite: bool) -> str | None:
     """Refuse a fresh run into another run's checkpoints, or clear them with --overwrite_output_dir."""
     if resume and overwrite:
         return "--resume continues the run in --output_dir and --overwrite_output_dir deletes it: pass only one"
-    found = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-") or p.name == "latest")
+    # A `.tmp` is a save cut short, removed by the next save: a job killed in its first save restarts
+    # without --resume (no `latest` yet), and must not be refused for it.
+    found = sorted(p.name for p in out.iterdir()
+                   if p.name.startswith("checkpoint-") and not p.name.endswith(".tmp") or p.name == "latest")
     if resume or not found:
         return None
     if not overwrite:

@@ -198,7 +198,7 @@ def test_weights_that_are_not_finite_are_never_saved(tiny_model, tmp_path):
     assert (tmp_path / "latest").read_text() == "checkpoint-1\n" and intact(tmp_path / "checkpoint-1")
 
 
-def test_a_lock_is_taken_over_only_when_stale(tmp_path):
+def test_a_lock_is_taken_over_only_when_stale(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     settings = Namespace(output_dir=str(out), resume=None, overwrite_output_dir=False)
@@ -206,13 +206,23 @@ def test_a_lock_is_taken_over_only_when_stale(tmp_path):
     gone.wait()  # its pid is now no process's (for the moment this test needs)
     (out / output_dir.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid}))
     with output_dir.claimed(settings, is_main=True):
-        assert json.loads((out / output_dir.LOCK).read_text()) == {"host": socket.gethostname(), "pid": os.getpid()}
+        assert json.loads((out / output_dir.LOCK).read_text())["pid"] == os.getpid()
     assert not (out / output_dir.LOCK).exists()
-    (out / output_dir.LOCK).write_text(json.dumps({"host": "another-node", "pid": 1234}))
+    # Another host's run cannot be checked from here: refused, and its lock left as it was...
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    (out / output_dir.LOCK).write_text(json.dumps({"host": "another-node", "pid": 1234, "job": "41"}))
     with pytest.raises(UsageError, match="in use by a live run \\(pid 1234 on host another-node"):
         with output_dir.claimed(settings, is_main=True):
             pass
-    assert json.loads((out / output_dir.LOCK).read_text())["host"] == "another-node"  # left as it was
+    assert json.loads((out / output_dir.LOCK).read_text())["host"] == "another-node"
+    # ...unless it is an earlier start of this very job, requeued (on another node, maybe).
+    (out / output_dir.LOCK).write_text(json.dumps({"host": "another-node", "pid": 1234, "job": "42"}))
+    with output_dir.claimed(settings, is_main=True):
+        assert json.loads((out / output_dir.LOCK).read_text())["host"] == socket.gethostname()
+    # A save cut short (a job killed in its first save restarts without --resume) is no other run's.
+    (out / "checkpoint-4.tmp").mkdir()
+    with output_dir.claimed(settings, is_main=True):
+        pass
 
 
 def test_ctrl_c_under_torchrun_saves_and_stops_every_rank_and_a_second_run_is_refused(args, tmp_path, capsys):
