@@ -55,10 +55,9 @@ def _legal(moves: list[str], number: int) -> list[str]:
 
 
 def first_word_is_legal(prefix: list[str], continuation: str) -> bool:
-    """Whether the continuation's first word is a legal move after `prefix` (legal: game_prefixes checked it)."""
     board = chess.Board()
     for move in prefix:
-        board.push(chess.Move.from_uci(move))  # no legality check again: game_prefixes made it
+        board.push_uci(move)
     words = continuation.split()
     if not words:
         return False
