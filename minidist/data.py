@@ -5,7 +5,8 @@ result, exactly as in the hub dataset `laion/strategic_game_chess`:
 
     e2e4 c7c5 g1f3 d7d6 ... d1h5 1-0
 
-Three ways to get such text, all ending in the same jsonl file (one `{"text": ...}` per line):
+Three ways to get such text, all ending in the same jsonl file (one `{"text": ...}` per line; the
+format, written and read with a check of every line, is `jsonl.py`'s):
 
 1. `generate_games`: play games with python-chess and a weak policy (no engine, no network).
    A sample of ~3000 train and 300 held-out games ships in `minidist/games/`.
@@ -21,15 +22,15 @@ single process: the *global* batch of step k depends on the seed alone. The worl
 micro-batch size only decide who computes which slice of it. So 1 GPU with 8 accumulation steps
 and 4 GPUs with 2 see the same examples per optimizer step and, in fp32, take the same step.
 """
-import argparse
-import itertools
-import json
 import pathlib
 import random
 import sys
 
 import chess
 import torch
+
+from minidist.errors import ArgumentParser, one_line_errors
+from minidist.jsonl import load_games, write_games  # noqa: F401 (the file format; data.load_games as before)
 
 GAMES_DIR = pathlib.Path(__file__).parent / "games"
 HUB_DATASET = "laion/strategic_game_chess"
@@ -87,30 +88,6 @@ def generate_games(num_games, seed=0, max_plies=200, capture_prob=0.9):
 
 
 # ---------------------------------------------------------------- jsonl files
-def write_games(texts, path, max_games=None):
-    """Write game texts (any iterable, read lazily) as jsonl; return the count (<= max_games)."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    count = 0
-    with open(path, "w") as f:
-        for text in itertools.islice(texts, max_games):  # islice takes no more than it writes
-            f.write(json.dumps({"text": text}) + "\n")
-            count += 1
-    return count
-
-
-def load_games(path):
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"No games file at {path}: use the bundled sample (minidist.data.bundled_games("
-                                f"'train')), or create it with `python -m minidist.data generate|convert|download`.")
-    if path.suffix != ".jsonl":
-        raise ValueError(f"{path} is not a .jsonl file: convert parquet shards first with "
-                         f"`python -m minidist.data convert SHARD.parquet --out FILE.jsonl`.")
-    with open(path) as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
-
-
 def bundled_games(split):
     """Path of the sample shipped in minidist/games: "train" (3000 games) or "test" (300 unseen)."""
     if split not in ("train", "test"):
@@ -130,11 +107,26 @@ def _iter_parquet_games(shard_paths):
                     yield " ".join(moves) + " " + result
 
 
+def _check_shard(shard):
+    """ValueError unless `shard` is a parquet file with the hub dataset's `Moves` and `Result` columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        columns = set(pq.ParquetFile(shard).schema_arrow.names)
+    except (pa.ArrowException, IsADirectoryError) as err:
+        raise ValueError(f"{shard} is not a parquet file ({err})") from None
+    if not {"Moves", "Result"} <= columns:
+        raise ValueError(f"{shard} has no Moves and Result columns: it is not a shard of {HUB_DATASET}")
+
+
 def convert_parquet(shard_paths, out_path, max_games=None):
     """Write the games of `laion/strategic_game_chess` parquet shards to jsonl; return the count."""
     missing = [str(p) for p in shard_paths if not pathlib.Path(p).exists()]
     if missing:  # before the output file is opened, so a typo leaves no empty jsonl behind
         raise FileNotFoundError(f"No parquet shard at {', '.join(missing)}: check the paths.")
+    for shard in shard_paths:  # likewise: a shard of something else is told before anything is written
+        _check_shard(shard)
     return write_games(_iter_parquet_games(shard_paths), out_path, max_games)
 
 
@@ -249,8 +241,13 @@ class GlobalBatchSampler:
 
 
 # ---------------------------------------------------------------- command line
+# The least each count can be. Below 10 plies games almost never end by the rules, and
+# `generate_games` drops unfinished ones: it would search for ever.
+AT_LEAST = {"num_games": 1, "max_plies": 10, "test_games": 0, "num_shards": 1, "max_games": 0}
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minidist.data", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m minidist.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="play legal games with python-chess")
     gen.add_argument("--num_games", type=int, required=True)
@@ -269,7 +266,13 @@ def main(argv=None):
     down.add_argument("--max_games", type=int)
     down.add_argument("--test_games", type=int, default=1000)
     args = parser.parse_args(argv)
-    try:
+    for name, least in AT_LEAST.items():  # told before any game is played or file written
+        value = getattr(args, name, None)  # None: not this subcommand's flag, or not given
+        if value is not None and value < least:
+            parser.error(f"--{name} must be at least {least}")
+    # OSError: a file that cannot be read or written; ValueError: a file that is not what it claims
+    # (pyarrow's ArrowInvalid is one); both are fixed by naming another file.
+    with one_line_errors("minidist.data", OSError, ValueError):
         if args.command == "generate":
             if args.test_games and not args.test_out:
                 parser.error("--test_games needs --test_out FILE for the held-out games")
@@ -290,9 +293,6 @@ def main(argv=None):
         else:
             counts = download_dataset(args.out, args.num_shards, args.max_games, args.test_games)
             print(f"wrote {counts['train']} train and {counts['test']} test games to {args.out}")
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     return 0
 
 

@@ -17,9 +17,7 @@ early would leave the others waiting forever.
     python -m minidist.evaluate --model runs/laptop/model --data minidist/games/test.jsonl
 """
 
-import argparse
 import random
-import sys
 
 import chess
 import torch
@@ -27,14 +25,33 @@ import torch.distributed as dist
 
 
 def game_prefixes(games: list[str], num_prefixes: int, seed: int = 0) -> list[list[str]]:
-    """Cut up to `num_prefixes` games after a random move (at least one move, never the last)."""
+    """Cut up to `num_prefixes` games after a random move (at least one move, never the last).
+
+    Each game used must be legal, or the judge below has no position to judge in: a ValueError
+    names the first game and move that is not (a typo, another notation, a file of something
+    else). The whole game is checked, not just the prefix, so that a file passes or fails
+    whatever the seed."""
     rng = random.Random(seed)
     prefixes = []
-    for text in games[:num_prefixes]:
-        moves = text.split()[:-1]  # the last word is the result
+    for number, text in enumerate(games[:num_prefixes], 1):
+        moves = _legal(text.split()[:-1], number)  # the last word is the result
         if len(moves) >= 2:
             prefixes.append(moves[: rng.randint(1, len(moves) - 1)])
     return prefixes
+
+
+def _legal(moves: list[str], number: int) -> list[str]:
+    board = chess.Board()
+    for ply, word in enumerate(moves, 1):
+        try:
+            move = chess.Move.from_uci(word)
+        except ValueError:  # not UCI at all ("Nf3", "hello")
+            move = None
+        if move is None or not board.is_legal(move):
+            raise ValueError(f"held-out game {number} is not a legal game: its move {ply}, {word!r}, is not a legal "
+                             f"UCI move there (write held-out games with `python -m minidist.data generate`)")
+        board.push(move)
+    return moves
 
 
 def first_word_is_legal(prefix: list[str], continuation: str) -> bool:
@@ -50,15 +67,33 @@ def first_word_is_legal(prefix: list[str], continuation: str) -> bool:
         return False
 
 
+def context_length(model) -> int | None:
+    """How many positions the model can attend to: its config's `max_position_embeddings` (GPT-2's
+    `n_positions`, by transformers' alias), found through wrappers' `.module`; None if it names none."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def tokens_per_move(tokenizer) -> int:
     """How many tokens the longest move takes after a space (1 for the tiny model, ~5 for Llama)."""
     return max(len(tokenizer(" " + m, add_special_tokens=False)["input_ids"]) for m in ("a7a8q", "h2h1n", "e2e4"))
 
 
 @torch.no_grad()
-def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, device) -> list[str]:
-    """Greedy decoding for a batch, left-padded so every prompt ends at the last column."""
+def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, device,
+                    max_length: int | None = None) -> list[str]:
+    """Greedy decoding for a batch, left-padded so every prompt ends at the last column.
+
+    With `max_length` (the model's context), a prompt keeps only its last `max_length -
+    max_new_tokens` tokens: the moves next to the one asked for matter most, and a model with
+    learned positions (GPT-2) has no embedding for a position past its context at all."""
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    if max_length is not None:
+        keep = max_length - max_new_tokens
+        if keep < 1:
+            raise ValueError(f"a context of {max_length} positions leaves no room for a prompt and {max_new_tokens} new tokens")
+        encoded = [ids[-keep:] for ids in encoded]
     width = max(len(ids) for ids in encoded)
     ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -83,13 +118,13 @@ def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_s
     mine = prefixes[rank::world]
     per_rank = -(-len(prefixes) // world)  # every rank loops this many times (see module doc)
     padded = mine + [prefixes[0]] * (per_rank - len(mine))
-    new_tokens = tokens_per_move(tokenizer) + 1
+    new_tokens, context = tokens_per_move(tokenizer) + 1, context_length(model)
     was_training = model.training
     model.eval()
     legal, samples = 0, []
     for start in range(0, per_rank, batch_size):
         chunk = padded[start: start + batch_size]
-        outputs = greedy_continue(model, tokenizer, [" ".join(p) for p in chunk], new_tokens, device)
+        outputs = greedy_continue(model, tokenizer, [" ".join(p) for p in chunk], new_tokens, device, context)
         for i, (prefix, text) in enumerate(zip(chunk, outputs)):
             if start + i < len(mine):  # the padding is not counted
                 legal += first_word_is_legal(prefix, text)
@@ -104,22 +139,25 @@ def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_s
 
 
 def main(argv=None) -> None:
+    from minidist import model_folder
     from minidist.data import bundled_games, load_games
+    from minidist.errors import ArgumentParser, one_line_errors
     from minidist.models import load_model, load_tokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m minidist.evaluate", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m minidist.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", help="hub name, local folder, or `tiny`")
     parser.add_argument("--data", default=str(bundled_games("test")), help="held-out games (jsonl)")
     parser.add_argument("--num_prefixes", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.num_prefixes < 1:
+        parser.error("--num_prefixes must be at least 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        games = load_games(args.data)
+    with one_line_errors("minidist.evaluate", FileNotFoundError, ValueError):  # the data first: it is cheap
+        prefixes = game_prefixes(load_games(args.data), args.num_prefixes, args.seed)
+        model_folder.check_folder(args.model)
         tokenizer, model = load_tokenizer(args.model), load_model(args.model, device=device)
-    except FileNotFoundError as err:
-        sys.exit(f"minidist.evaluate: error: {err}")
-    result = legal_move_rate(model, tokenizer, game_prefixes(games, args.num_prefixes, args.seed), device)
+    result = legal_move_rate(model, tokenizer, prefixes, device)
     print(f"legal-move rate {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']} prefixes)")
 
 

@@ -22,7 +22,6 @@ long batch, differently for every split.
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -33,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, metrics, models, output_dir, preemption, state
+from minidist import data, evaluate, metrics, model_folder, models, output_dir, preemption, state
 from minidist.distributed import cleanup, init_distributed
-from minidist.errors import UsageError
+from minidist.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.parallel.mesh import data_parallel_mesh
 from minidist.parallel.options import ParallelOptions
@@ -43,7 +42,7 @@ from minidist.parallel.strategy import get_strategy
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m minidist.finetune", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m minidist.finetune", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=models.TINY, help="hub name, local folder, or `tiny` (the offline tiny Llama)")
     p.add_argument("--data", default=str(data.bundled_games("train")), help="training games, jsonl with a `text` field")
     p.add_argument("--eval_data", default=str(data.bundled_games("test")), help="held-out games for the legal-move rate")
@@ -78,12 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.no_fsdp:
         args.strategy = "ddp"
-    for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps"):
+    for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    for name in ("save_steps", "save_total_limit", "trace_memory_every"):
+    for name in ("save_steps", "save_total_limit", "trace_memory_every", "eval_prefixes", "warmup_steps"):
         if getattr(args, name) < 0:
             p.error(f"--{name} must be 0 or more")
+    if not args.learning_rate > 0:  # (also NaN) 0 would train nothing; a negative rate climbs the loss
+        p.error(f"--learning_rate must be more than 0, got {args.learning_rate}")
     if args.max_seq_length < 2:
         p.error("--max_seq_length must be at least 2 (a token and the one that follows it)")
     return args
@@ -154,6 +155,7 @@ def _train(args, env) -> dict:
     try:  # everything a learner can get wrong, checked before the expensive model load
         strategy = get_strategy(ParallelOptions.from_args(args), env, mesh)
         args.model = models.resolve(args.model)
+        model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
         tokenizer = models.load_tokenizer(args.model)
         sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
         sampler = data.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
@@ -286,12 +288,9 @@ def _train(args, env) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        if "stopped" in train(args):
-            sys.exit(preemption.EXIT_STOPPED)  # "try again later": the batch script or the learner resumes
-    except UsageError as err:
-        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
-            print(f"minidist.finetune: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        with one_line_errors("minidist.finetune"):  # once, first, and named by torchrun (errors.py)
+            if "stopped" in train(args):
+                sys.exit(preemption.EXIT_STOPPED)  # "try again later": the batch script or the learner resumes
     finally:
         cleanup()
 

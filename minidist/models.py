@@ -16,13 +16,14 @@ decodes text, so it works for both).
     python -m minidist.models download codellama/CodeLlama-7b-hf    # cache for offline nodes
 """
 
-import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
+
+from minidist import hub
+from minidist.errors import ArgumentParser, fail
 
 TINY = "tiny"  # `--model tiny` means: the tiny Llama, written on first use to the cache below
 RESULTS = ("1-0", "0-1", "1/2-1/2")
@@ -135,15 +136,16 @@ def _write(model, tokenizer, out_dir) -> Path:
     return out
 
 
-def write_tiny_gpt2(out_dir, *, hidden_size=64, num_layers=2, num_heads=2, seed=0) -> Path:
+def write_tiny_gpt2(out_dir, *, hidden_size=64, num_layers=2, num_heads=2, seed=0, n_positions=1024) -> Path:
     """A tiny GPT-2 over the same chess tokenizer: another architecture (`GPT2Block`, learned
     positions, LayerNorm, biases, fused qkv `Conv1D`, output layer tied to the embedding), so
-    that strategies and their wrap policy are shown not to depend on Llama."""
+    that strategies and their wrap policy are shown not to depend on Llama. Its learned positions
+    end at `n_positions`: a short one shows what code must do at the end of a model's context."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = build_chess_tokenizer()
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-                        n_positions=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        n_positions=n_positions, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(seed)
     return _write(GPT2LMHeadModel(config), tokenizer, out_dir)
@@ -168,7 +170,7 @@ def resolve(name_or_path: str) -> str:
                 shutil.rmtree(tmp)
         return str(folder)
     path = Path(name_or_path)
-    looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    looks_local = not is_hub_name(name_or_path)
     if looks_local and not (path.expanduser() / "config.json").exists():
         raise FileNotFoundError(
             f"model folder {name_or_path!r} not found (or has no config.json): pass a hub name "
@@ -178,10 +180,20 @@ def resolve(name_or_path: str) -> str:
     return str(path.expanduser()) if looks_local else name_or_path
 
 
+def is_hub_name(name_or_path: str) -> bool:
+    """Whether a name goes to the hub: not a path here, not starting with . / or ~, at most `org/name`."""
+    if Path(name_or_path).exists() or name_or_path.startswith((".", "/", "~")):
+        return False
+    return name_or_path.count("/") <= 1
+
+
 def _from_pretrained(auto_class, name_or_path: str, **kwargs):
     """`auto_class.from_pretrained`, with one sentence instead of a page when the hub is out of reach."""
+    source = resolve(name_or_path)
+    if is_hub_name(source):  # a hub name: from the cache alone, or at once not at all, without the hub
+        kwargs["local_files_only"] = hub.local_files_only(source)
     try:
-        return auto_class.from_pretrained(resolve(name_or_path), **kwargs)
+        return auto_class.from_pretrained(source, **kwargs)
     except OSError as err:
         first_line = str(err).strip().splitlines()[0]
         raise FileNotFoundError(
@@ -224,7 +236,7 @@ def num_parameters(model) -> int:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minidist.models", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m minidist.models", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="write the tiny Llama and its chess tokenizer to a folder")
     tiny.add_argument("--out", default=str(tiny_model_dir()))
@@ -235,14 +247,24 @@ def main(argv=None) -> None:
     dl.add_argument("repo_id")
     args = parser.parse_args(argv)
     if args.command == "tiny":
-        out = write_tiny_llama(args.out, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+        if args.num_layers < 1:
+            parser.error("--num_layers must be at least 1")
+        if args.hidden_size < 4 or args.hidden_size % 4:  # write_tiny_llama's 4 heads share the width
+            parser.error(f"--hidden_size must be a positive multiple of 4 (the tiny Llama's 4 heads), got {args.hidden_size}")
+        try:
+            out = write_tiny_llama(args.out, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+        except OSError as err:  # --out names a file, or a folder we may not write
+            fail("minidist.models", f"cannot write the model to {args.out} ({err.strerror}): name another folder")
         model = load_model(str(out))
         print(f"wrote {out}: {type(model).__name__}, {num_parameters(model) / 1e6:.2f}M parameters")
-    else:
-        try:
-            print(f"cached {args.repo_id} in {download(args.repo_id)}")
-        except Exception as err:  # no network, no such repo, gated model without a token
-            sys.exit(f"minidist.models: error: could not download {args.repo_id}: {err}")
+        return
+    if not hub.reachable():  # at once, not after the hub client's 25 s of retries
+        fail("minidist.models", f"could not download {args.repo_id}: the hub cannot be reached from here (or "
+                                f"HF_HUB_OFFLINE is set): run this where there is internet")
+    try:
+        print(f"cached {args.repo_id} in {download(args.repo_id)}")
+    except Exception as err:  # no such repo, gated model without a token
+        fail("minidist.models", f"could not download {args.repo_id}: {err}")
 
 
 if __name__ == "__main__":

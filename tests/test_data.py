@@ -115,9 +115,11 @@ def test_cli_convert_and_one_line_error(tmp_path, capsys):
     assert data.main(["convert", str(shard), "--out", str(tmp_path / "o.jsonl")]) == 0
     assert data.load_games(tmp_path / "o.jsonl") == TEXTS
     out = tmp_path / "x.jsonl"
-    assert data.main(["convert", str(tmp_path / "missing.parquet"), "--out", str(out)]) == 1
+    with pytest.raises(SystemExit) as stop:
+        data.main(["convert", str(tmp_path / "missing.parquet"), "--out", str(out)])
     err = capsys.readouterr().err
-    assert err.startswith("error:") and err.count("\n") == 1 and "missing.parquet" in err
+    assert stop.value.code == 2
+    assert err.startswith("minidist.data: error:") and err.count("\n") == 1 and "missing.parquet" in err
     assert not out.exists()
 
 

@@ -286,7 +286,7 @@ def test_the_command_works_offline_from_the_bundled_config():
 def test_an_unknown_model_without_network_ends_with_one_line():
     done = run_cli("some-org/not-cached")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "could not read the config of 'some-org/not-cached'" in done.stderr.strip().splitlines()[-1]
+    assert "could not load 'some-org/not-cached': it is not in the hub cache" in done.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("argv,expected", [

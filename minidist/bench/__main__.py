@@ -1,18 +1,36 @@
 """`python -m minidist.bench ddp|fsdp|allreduce|gpu`: the command (see `__init__.py`)."""
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from minidist import bench
 from minidist.bench import collectives, strategies
+from minidist.errors import ArgumentParser, fail
+
+# The least each flag can be (the flags a subcommand has): below it a run has nothing to time,
+# or never ends (a --factor of 1 never reaches --max_bytes).
+AT_LEAST = {"world_size": 1, "hidden_size": 1, "num_layers": 1, "batch_size": 1, "seq_len": 2, "warmup": 0,
+            "steps": 1, "rounds": 1, "iters": 1, "factor": 2, "min_bytes": 4}
+
+
+def check(parser, args) -> None:
+    """Sizes that cannot be timed, told in one line before any rank starts."""
+    for name, least in AT_LEAST.items():
+        if getattr(args, name, least) < least:
+            parser.error(f"--{name} must be at least {least}")
+    if getattr(args, "bucket_cap_mb", 1) <= 0:
+        parser.error("--bucket_cap_mb must be more than 0")
+    if hasattr(args, "max_bytes") and args.max_bytes < args.min_bytes:
+        parser.error(f"--max_bytes ({args.max_bytes}) must be at least --min_bytes ({args.min_bytes})")
+    heads = max(1, getattr(args, "hidden_size", 1) // 64)  # time_implementations' heads of about 64
+    if getattr(args, "hidden_size", 0) % heads:
+        parser.error(f"--hidden_size {args.hidden_size} does not split into {heads} heads: pick a multiple of 64")
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minidist.bench", description=bench.__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m minidist.bench", description=bench.__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="what", required=True)
     for what in strategies.IMPLEMENTATIONS:
         p = commands.add_parser(what, help=f"time the hand-written {what.upper()} against PyTorch's")
@@ -37,6 +55,7 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="the same code on the CPU with tiny sizes (a check of the command)")
     p.add_argument("--out", default="runs/bench_gpu", help="folder for table.md, the profiler trace and its timeline")
     args = parser.parse_args(argv)
+    check(parser, args)
     if args.what == "gpu":
         gpu_main(args)
         return
@@ -68,8 +87,7 @@ def gpu_main(args) -> None:
         except OSError as err:
             problem = f"cannot make the folder --out {args.out} ({err.strerror}): name another one"
     if problem:
-        print(f"python -m minidist.bench gpu: error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        fail("python -m minidist.bench gpu", problem)
     gpu.main(args)
 
 

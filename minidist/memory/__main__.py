@@ -4,17 +4,35 @@ The flags are the training loop's own (`ParallelOptions`, plus the sizes of a st
 that trains can be estimated by changing `-m minidist.finetune` into `-m minidist.memory MODEL`.
 """
 
-import argparse
 import json
 from dataclasses import fields
 
+from minidist import hub, model_folder, models
+from minidist.errors import ArgumentParser, one_line_errors
 from minidist.memory import estimator, report
 from minidist.parallel.options import ParallelOptions
 
 
+def checked_source(name: str) -> str:
+    """Where the config of `name` comes from, checked: `tiny` (finetune's offline Llama) becomes
+    its folder, a hub name neither cached nor reachable fails at once (`hub.py`), and the config
+    must describe a model that can exist (`hidden_size: 0` cannot: `model_folder.check_config`)."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' own check of a config
+
+    source = models.resolve(name) if name == models.TINY else name
+    if name not in estimator.BUNDLED and models.is_hub_name(source):
+        hub.local_files_only(source)  # raises at once when neither cached nor reachable
+    try:
+        config = estimator.load_config(source)
+    except StrictDataclassError as err:
+        raise ValueError(f"the config of {name!r} cannot be a model ({model_folder.reason(err)}): fix its config.json")
+    model_folder.check_config(config, name)
+    return source
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m minidist.memory", description=estimator.__doc__.split("\n")[0])
-    p.add_argument("model", help="hub name or local folder with a config.json (the tiny Llama: ~/.cache/minidist/tiny-llama)")
+    p = ArgumentParser(prog="python -m minidist.memory", description=estimator.__doc__.split("\n")[0])
+    p.add_argument("model", help="hub name, local folder with a config.json, or `tiny` (the offline tiny Llama)")
     p.add_argument("--world_size", type=int, default=1)
     p.add_argument("--batch_size_per_device", type=int, default=1)
     p.add_argument("--max_seq_length", type=int, default=512)
@@ -28,16 +46,14 @@ def main(argv=None) -> None:
     p.set_defaults(mixed_precision="bf16")  # as on the GPUs (finetune's default is fp32)
     args = p.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
-    try:
+    with one_line_errors("minidist.memory", ValueError, NotImplementedError, FileNotFoundError):
         sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend")
         setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
         estimator.check_setup(setup)
         if args.readme_table and gpu_memory is None:
             raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
-        shape = estimator.model_shape(args.model)
-    except (ValueError, NotImplementedError, FileNotFoundError) as err:
-        p.exit(2, f"minidist.memory: error: {err}\n")
+        shape = estimator.model_shape(checked_source(args.model))
     if args.readme_table:
         print(report.readme_table(shape, setup, gpu_memory))
         return
