@@ -46,6 +46,13 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
+# chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
+# folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).
+here=${BASH_SOURCE[0]}
+[[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
+[[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+export PYTHONPATH=$(dirname "$(dirname "$launcher")")${PYTHONPATH:+:$PYTHONPATH}  # minidist, from anywhere
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
 MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
 STRATEGY=${STRATEGY:-ddp}
@@ -75,11 +82,5 @@ echo "lesson 00: the memory estimate for this run (python -m minidist.memory $MO
 python -m minidist.memory "$MODEL" "${ESTIMATE[@]}"
 echo "lesson 00: now the run itself, torch/$STRATEGY on $WORLD_SIZE GPU(s); on 1 A100-80GB expect CUDA out of memory in the first step"
 
-# sbatch runs a copy of this script from a spool folder: find chess_finetune.sh where the job was
-# submitted (the repository root), else beside this file (a run in place).
-for launcher in "$PWD/slurm/chess_finetune.sh" "$(dirname "${BASH_SOURCE[0]}")/chess_finetune.sh"; do
-    [[ -f $launcher ]] && break
-done
-[[ -f $launcher ]] || { echo "error: slurm/chess_finetune.sh not found: submit from the repository root" >&2; exit 2; }
 # exec: the same process, so SLURM's USR1 reaches chess_finetune.sh's trap directly.
 MODEL=$MODEL exec bash "$launcher" --strategy "$STRATEGY" "$@"

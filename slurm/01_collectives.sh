@@ -24,7 +24,8 @@
 #
 # Why not chess_finetune.sh's launch: that one runs minidist.finetune with a training's flags;
 # this job runs another module with no model, data or checkpoints, so its one srun + torchrun
-# line is written out below (same rendezvous as there).
+# line is written out below (same rendezvous as there: both read the allocation with
+# slurm/allocation.sh).
 #
 #SBATCH --job-name=01-collectives
 #SBATCH --nodes=1
@@ -36,12 +37,17 @@
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
+# allocation.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
+# folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).
+here=${BASH_SOURCE[0]}
+[[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+SLURM_DIR=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd) || true
+[[ -f $SLURM_DIR/allocation.sh ]] || { echo "error: $SLURM_DIR/allocation.sh not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+export PYTHONPATH=$(dirname "$SLURM_DIR")${PYTHONPATH:+:$PYTHONPATH}  # minidist, from anywhere
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
-NNODES=${SLURM_NNODES:-1}
 OPS=${OPS:-all_reduce reduce_scatter all_gather}
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-29500}
+source "$SLURM_DIR/allocation.sh"
+read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT, srun's CPUs; or one line
 echo "lesson 01: collective bandwidth on $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $HEAD_NODE:$MASTER_PORT"
 command -v nvidia-smi >/dev/null && nvidia-smi topo -m || true  # NV# = NVLink between two GPUs, PIX/SYS = PCIe
 

@@ -48,12 +48,12 @@ export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-8}
 export OUTPUT_DIR=${OUTPUT_DIR:-runs/04-zero-${SLURM_JOB_ID:-local}}
 STRATEGY=${STRATEGY:-zero2}
 
-# sbatch runs a copy of this script from a spool folder, so look for its sibling where the job
-# was submitted (the repository root) first, then beside this file (a run in place).
-for launcher in "${SLURM_SUBMIT_DIR:-$PWD}/slurm/chess_finetune.sh" "$(dirname "${BASH_SOURCE[0]}")/chess_finetune.sh"; do
-    [[ -f $launcher ]] && break
-done
-[[ -f $launcher ]] || { echo "error: slurm/chess_finetune.sh not found: submit from the repository root" >&2; exit 2; }
+# chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
+# folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).
+here=${BASH_SOURCE[0]}
+[[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
+[[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
 
 echo "lesson 04: minidist/$STRATEGY, bf16 (ZeRO's 2 + 2 + 12 bytes per parameter)"
 exec bash "$launcher" --impl minidist --strategy "$STRATEGY" "$@"

@@ -44,10 +44,12 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-# sbatch runs a copy of this script from a spool folder, so $0 says nothing about the repository:
-# find chess_finetune.sh next to the minidist package that this job imports.
-cd "${SLURM_SUBMIT_DIR:-$PWD}"
-ROOT=$(python -c 'import minidist, pathlib; print(pathlib.Path(minidist.__file__).resolve().parents[1])')
+# chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
+# folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).
+here=${BASH_SOURCE[0]}
+[[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
+[[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
 echo "lesson 05 (FSDP by hand): minidist/fsdp on $(basename "${MODEL:-codellama/CodeLlama-7b-hf}"), flags: $*"
 # exec: the same process, so SLURM's USR1 reaches chess_finetune.sh's trap directly.
-exec bash "$ROOT/slurm/chess_finetune.sh" --impl minidist --strategy fsdp "$@"
+exec bash "$launcher" --impl minidist --strategy fsdp "$@"

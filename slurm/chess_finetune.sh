@@ -40,12 +40,27 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
+# SLURM's warning may come at any moment, this one included: from here on it is remembered, and
+# passed on to the training once that runs (the trap's full story is above the launch line).
+TRAIN_PID= STOP_REQUESTED=0
+trap 'STOP_REQUESTED=1; echo "USR1: the time limit is near; asking the training to save and stop"
+      [[ -n $TRAIN_PID ]] && kill -USR1 "$TRAIN_PID" || true' USR1
 
-# sbatch runs a copy of this script from a spool folder: work from where it was submitted.
+# Work from where the job was submitted: relative paths (DATA, OUTPUT_DIR) are read from there.
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
+# The repository: sbatch runs a copy of this script from slurmd's spool folder, so its own path
+# says nothing; SLURM remembers the path that was submitted (relative to the submit folder).
+SUBMITTED=
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    SUBMITTED=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p') || true
+fi
+SUBMITTED=${SUBMITTED:-${BASH_SOURCE[0]}}  # outside SLURM: this file itself
+REPO=$(cd "$(dirname "$SUBMITTED")/.." && pwd)
+[[ -f $REPO/slurm/allocation.sh ]] || { echo "error: cannot find the repository from $SUBMITTED" >&2; exit 2; }
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}  # so that `-m minidist.finetune` runs from anywhere
 
 MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
-DATA=${DATA:-minidist/games/train.jsonl}
+DATA=${DATA:-$REPO/minidist/games/train.jsonl}
 OUTPUT_DIR=${OUTPUT_DIR:-runs/chess-${SLURM_JOB_ID:-local}}
 TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
@@ -56,9 +71,11 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # tenth to a half; raise SAVE_STEPS for long runs. Two checkpoints are kept. (Estimates: no 7B
 # run of this project has been timed yet.)
 SAVE_STEPS=${SAVE_STEPS:-100}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
-NNODES=${SLURM_NNODES:-1}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}   # compute nodes have no internet: use the cache
+source "$REPO/slurm/allocation.sh"
+whole_number 1 TOTAL_BATCH_SIZE BATCH_SIZE_PER_DEVICE
+whole_number 0 SAVE_STEPS
+read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT; or one line if this is no job
 
 # The total batch stays fixed; whatever one device cannot hold at once is accumulated.
 WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
@@ -69,9 +86,6 @@ if (( TOTAL_BATCH_SIZE % PER_STEP != 0 )); then
 fi
 GRADIENT_ACCUMULATION_STEPS=$((TOTAL_BATCH_SIZE / PER_STEP))
 
-# Every node runs one torchrun; they meet at a c10d rendezvous on the first node of the job.
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-29500}
 echo "job ${SLURM_JOB_ID:-?} (start $((${SLURM_RESTART_COUNT:-0} + 1))): $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $HEAD_NODE:$MASTER_PORT," \
      "total batch $TOTAL_BATCH_SIZE = $BATCH_SIZE_PER_DEVICE x $WORLD_SIZE x $GRADIENT_ACCUMULATION_STEPS accumulation"
 
@@ -88,11 +102,24 @@ fi
 # next start resumes from the last SAVE_STEPS checkpoint) and gives them PET_SHUTDOWN_TIMEOUT
 # seconds to save and exit before it kills them (raise it with a longer `--signal` warning).
 # torchrun then logs a SignalException traceback for USR1: that is its way of saying it was
-# signalled, not an error in the training.
+# signalled, not an error in the training. srun passes a signal to every process of its step,
+# so the ranks get USR1 from srun and again from torchrun: one flag, one checkpoint.
+#
+# A warning that comes before the ranks installed their handler (while torchrun and Python start,
+# the first seconds of a start) kills them, with no new checkpoint; as no step has run since the
+# last one, nothing is lost: the job requeues below and resumes from OUTPUT_DIR/latest (the last
+# SAVE_STEPS checkpoint, or the one a previous start saved when it stopped). One that comes
+# before the training started at all requeues at once, without starting it.
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-80}
-TRAIN_PID= STOP_REQUESTED=0
-trap 'STOP_REQUESTED=1; echo "USR1: the time limit is near; asking the training to save and stop"
-      [[ -n $TRAIN_PID ]] && kill -USR1 "$TRAIN_PID" || true' USR1
+requeue() {  # last: the real `scontrol requeue` ends this job at once and queues it again
+    echo "requeueing job $SLURM_JOB_ID; the next start resumes from" \
+         "$( [[ -f $OUTPUT_DIR/latest ]] && echo "$OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest")" || echo "the beginning (no checkpoint yet)")"
+    scontrol requeue "$SLURM_JOB_ID"
+}
+if (( STOP_REQUESTED )); then
+    requeue
+    exit 0
+fi
 
 # In the background, so that this shell can run its trap while the training runs.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
@@ -117,14 +144,13 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     "${RESUME[@]}" \
     "$@" &
 TRAIN_PID=$!
+(( STOP_REQUESTED )) && kill -USR1 "$TRAIN_PID" || true  # the warning came while srun was being started
 while :; do  # a trapped signal ends `wait` early, with the training still running: wait again
     STATUS=0
     wait "$TRAIN_PID" || STATUS=$?
     kill -0 "$TRAIN_PID" 2>/dev/null || break
 done
 if (( STOP_REQUESTED && STATUS != 0 )); then
-    # Last: the real `scontrol requeue` ends this job at once and queues it again.
-    echo "requeueing job $SLURM_JOB_ID; the next start resumes from $OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest" 2>/dev/null)"
-    scontrol requeue "$SLURM_JOB_ID"
+    requeue
 fi
 exit "$STATUS"

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Llama written once per test session, loaded like any hub model."""
+"""Shared fixtures: a tiny Llama written once per test session, loaded like any hub model, and a
+real SLURM cluster on this machine."""
 
 import pytest
 
@@ -9,3 +10,29 @@ from minidist.models import write_tiny_llama
 def tiny_model(tmp_path_factory):
     """A 2-layer, 64-wide Llama with the chess tokenizer: small enough for many short runs."""
     return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden_size=64, num_layers=2))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-host SLURM cluster (tests/slurm_cluster.py) for the whole session.
+
+    It needs root. Elsewhere its tests skip and say why; in CI (CI=true) they must run, so there
+    a missing piece fails them instead."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from slurm_cluster import Cluster, ensure_installed
+
+    why_not = "starting a SLURM cluster needs root" if os.geteuid() != 0 else ensure_installed()
+    if why_not:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the real-SLURM tests: {why_not}")
+        pytest.skip(why_not)
+    # Not under pytest's folders: munged wants every folder above its socket open to all.
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="minidist-slurm-")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
