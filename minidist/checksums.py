@@ -21,7 +21,8 @@ CPU's SHA instructions where it has them; measured here: 0.57 GB/s on a busy 2-c
 blake2b gave 0.27). A file just written is read back from the page cache, so the cost is CPU, not
 disk. A 7B sharded checkpoint with AdamW is about 81 GB; on 4 ranks with 4 threads each at 0.57
 GB/s, that is 81 / (16 x 0.57) = about 9 s per save, and the same again for `verify` before a
-resume. Without threads it would be 35 s, a large part of the 80 s a preempted job has to save in.
+resume. Without threads it would be 35 s, a part of the 270 s a preempted job has to save in
+(`slurm/chess_finetune.sh` says why 270).
 """
 
 import hashlib

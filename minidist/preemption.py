@@ -1,7 +1,7 @@
 """Preemption: when the cluster says stop, every rank stops at the same step, with a checkpoint.
 
 Clusters end jobs: a time limit, a job of higher priority, maintenance. They warn first, with a
-signal: SLURM sends the one `#SBATCH --signal=B:USR1@90` names, 90 s before the time limit, to the
+signal: SLURM sends the one `#SBATCH --signal=B:USR1@300` names, 300 s before the time limit, to the
 batch script (which passes it on, see `slurm/chess_finetune.sh`); most schedulers send SIGTERM
 some seconds before SIGKILL. torchrun forwards SIGTERM to its workers, and from torch 2.9 the
 other signals listed in `--signals_to_handle` (or PET_SIGNALS_TO_HANDLE), SIGUSR1 among them.

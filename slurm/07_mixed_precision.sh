@@ -43,7 +43,7 @@
 #SBATCH --mem=0
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
-#SBATCH --signal=B:USR1@90
+#SBATCH --signal=B:USR1@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail

@@ -7,7 +7,7 @@
 #   sbatch slurm/chess_finetune.sh --gradient_checkpointing           # trade compute for memory
 #   sbatch --nodes 2 slurm/chess_finetune.sh                          # 8 GPUs on 2 nodes
 #
-# Preemption and time limits: 90 s before the limit SLURM sends USR1 to this script; it passes the
+# Preemption and time limits: 300 s before the limit SLURM sends USR1 to this script; it passes the
 # signal on to the training, which finishes its step, writes a checkpoint to OUTPUT_DIR and exits;
 # then the script requeues the job, and the next start resumes from OUTPUT_DIR/latest (a job
 # keeps its id, hence its OUTPUT_DIR, across restarts). Its output is appended to one log.
@@ -36,7 +36,7 @@
 #SBATCH --mem=0
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
-#SBATCH --signal=B:USR1@90
+#SBATCH --signal=B:USR1@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
 set -euo pipefail
@@ -64,9 +64,13 @@ DATA=${DATA:-$REPO/minidist/games/train.jsonl}
 OUTPUT_DIR=${OUTPUT_DIR:-runs/chess-${SLURM_JOB_ID:-local}}
 TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
-# A sharded 7B checkpoint with AdamW holds ~81 GB (12 bytes per parameter: fp32 weights and two
-# moments): 10-20 s if each of the 4 ranks writes its ~20 GB at 1-2 GB/s, 40-80 s if the file
-# system gives 1-2 GB/s in all. 100 steps are about 2 minutes at ~1.3 s per step (32 x 512 tokens
+# A sharded 7B checkpoint with AdamW holds 80.9 GB (12 bytes per parameter: fp32 weights and two
+# moments), 20.2 GB per rank. Measured here (a CPU VM's local disk, DCP with fsync): 340-370 MB/s
+# per rank, so about 60 s per rank, plus ~9 s of checksums (minidist/checksums.py). A shared file
+# system giving 0.5-2 GB/s to the node in all needs 40-160 s. Hence the warning 300 s before the
+# limit (--signal above) and 270 s for torchrun's workers to save (PET_SHUTDOWN_TIMEOUT below):
+# enough down to 0.3 GB/s in all. With 90 s and 80 s, a slow file system would be killed mid-save
+# (the previous checkpoint survives, but the steps since it are lost). 100 steps are about 2 minutes at ~1.3 s per step (32 x 512 tokens
 # on 4 A100s, derived from the published ~3,700 tokens/s per GPU of lesson 09), so saves add a
 # tenth to a half; raise SAVE_STEPS for long runs. Two checkpoints are kept. (Estimates: no 7B
 # run of this project has been timed yet.)
@@ -110,7 +114,7 @@ fi
 # last one, nothing is lost: the job requeues below and resumes from OUTPUT_DIR/latest (the last
 # SAVE_STEPS checkpoint, or the one a previous start saved when it stopped). One that comes
 # before the training started at all requeues at once, without starting it.
-export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-80}
+export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-270}
 requeue() {  # last: the real `scontrol requeue` ends this job at once and queues it again
     echo "requeueing job $SLURM_JOB_ID; the next start resumes from" \
          "$( [[ -f $OUTPUT_DIR/latest ]] && echo "$OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest")" || echo "the beginning (no checkpoint yet)")"
