@@ -264,3 +264,17 @@ def test_a_bad_batch_variable_is_one_line(name, value, least):
     done = run_script("chess_finetune.sh", **{name: value})
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: {name}={value} must be a whole number of at least {least}"]
+
+
+def test_a_compressed_node_list_gives_its_first_node_as_the_rendezvous(slurm_cluster):
+    """SLURM writes node lists compressed ("gpu[01-04,07]"); the real `scontrol show hostnames`
+    expands them, and the first name is the head node. The two nodes here never compress, so the
+    list is given by hand to the scripts' own `read_allocation` (slurm/allocation.sh)."""
+    variables = {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    variables |= {"SLURM_JOB_ID": "123", "SLURM_JOB_NUM_NODES": "5", "SLURM_JOB_NODELIST": "gpu[01-04,07]",
+                  "SLURM_GPUS_ON_NODE": "4"}
+    done = subprocess.run(["bash", "-c", f"source {SLURM / 'allocation.sh'}; read_allocation; "
+                           "echo $NNODES $GPUS_PER_NODE $HEAD_NODE $MASTER_PORT; scontrol show hostnames \"$SLURM_JOB_NODELIST\""],
+                          env=variables, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["5", "4", "gpu01", "20123", "gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]
