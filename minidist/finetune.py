@@ -20,7 +20,6 @@ long batch, differently for every split.
 """
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, metrics, model_folder, models, output_dir, preemption, state
+from minidist import data, evaluate, final_model, metrics, model_folder, models, output_dir, preemption, state
 from minidist.distributed import cleanup, init_distributed
 from minidist.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
@@ -96,20 +95,6 @@ def lr_schedule(step: int, args) -> float:
         return (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def saved_dtype(choice: str, name_or_path: str) -> torch.dtype:
-    """The dtype the final model is written in. `auto` keeps the model as it was published (the
-    `dtype` its config.json names: CodeLlama-7b is bf16, 13.5 GB on disk instead of 27 in fp32;
-    read from the file, as loading it in fp32 overwrites the loaded config's); a model whose
-    config names none is written in fp32, the dtype of the masters it was trained in."""
-    if choice != "auto":
-        return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
-    from transformers import AutoConfig
-
-    named = getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
-    named = getattr(torch, named, None) if isinstance(named, str) else named
-    return named if isinstance(named, torch.dtype) else torch.float32
 
 
 def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
@@ -270,16 +255,9 @@ def _train(args, env) -> dict:
     full_state = None if args.no_save else strategy.full_state_dict(model)
     if env.is_main:
         log.close()
-        (out / "eval.json").write_text(json.dumps({k: results[k] for k in ("rate_before", "rate_after")}))
+        final_model.write(out, strategy.unwrap(model), full_state, args.save_dtype, args.model, tokenizer,
+                          {k: results[k] for k in ("rate_before", "rate_after")})
         if full_state is not None:
-            dtype = saved_dtype(args.save_dtype, args.model)
-            full_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state.items()}
-            strategy.unwrap(model).save_pretrained(out / "model", state_dict=full_state)
-            # save_pretrained wrote the dtype of the model in memory (the fp32 masters, or none
-            # at all when FSDP holds them); from_pretrained(dtype="auto") reads this one.
-            config.dtype = dtype
-            config.save_pretrained(out / "model")
-            tokenizer.save_pretrained(out / "model")
             say(f"saved the fine-tuned model to {out / 'model'}")
     results["parameters"] = full_state
     return results

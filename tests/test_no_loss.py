@@ -166,6 +166,16 @@ def test_a_full_disk_gives_one_line_removes_the_tmp_and_keeps_the_previous_check
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and intact(out / "checkpoint-1")
 
 
+def test_a_full_disk_at_the_final_model_gives_one_line_and_leaves_no_half_written_model(args, tmpfs, capsys):
+    out = tmpfs("full-at-the-end", "size=1m")  # metrics and eval.json fit; the 1.4 MB model does not
+    argv = [a for a in args(out) if a != "--no_save"]
+    code, line = run_here(argv, capsys)
+    assert code == 2, line
+    assert (f"could not write the fine-tuned model to {out / 'model'}: No space left on device; removed model.tmp; "
+            f"no checkpoint was saved (--save_steps 0), so the training must run again") in line
+    assert not (out / "model").exists() and not (out / "model.tmp").exists()
+
+
 def test_a_non_finite_loss_stops_the_run_and_never_replaces_a_good_checkpoint(args, tmp_path, capsys):
     out = tmp_path / "huge-lr"
     # Step 1's update moves every weight by about 1e30 (Adam): still finite, saved; step 2's loss is nan.
