@@ -13,6 +13,13 @@ was signalled, all of them learn it after the same step, save one checkpoint tog
 and exit with status 75, EXIT_STOPPED ("EX_TEMPFAIL" in sysexits.h: try again later). Running
 the same command with `--resume` continues.
 
+A signal can be lost on its way, though. `srun` passes a signal on only to the tasks it has
+already started, so a warning that reaches the batch script in the second between `srun`'s start
+and its tasks' start is dropped, and the run would train on until the time limit kills it. So the
+batch script also writes a file, MINIDIST_STOP_FILE, before it passes the signal on, and the vote
+counts that file's existence as a signal: whichever arrives, the run stops at the next step
+boundary (the script deletes the file at each start).
+
 Ctrl-C (SIGINT) is handled the same way. The terminal sends it to the whole foreground process
 group, torchrun and every rank, and torchrun sends it on once more. Python's own handler would
 raise KeyboardInterrupt wherever the rank happens to be, and where that is a `__del__` (autograd
@@ -35,6 +42,7 @@ import torch.distributed as dist
 
 from minidist.errors import UsageError
 
+STOP_FILE = "MINIDIST_STOP_FILE"  # the variable naming a file whose existence asks for a stop, like a signal
 EXIT_STOPPED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving a checkpoint: run again with --resume
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
@@ -47,17 +55,21 @@ def _on_signal(signum, frame):
 
 
 class StopSignals:
-    """While installed, SIGTERM, SIGUSR1 and SIGINT ask for a checkpoint and a stop at the next step boundary."""
+    """While installed, SIGTERM, SIGUSR1 and SIGINT (or the file MINIDIST_STOP_FILE names, once it
+    exists) ask for a checkpoint and a stop at the next step boundary."""
 
     def __init__(self):
         global _received
         _received = None
         self._previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+        self.stop_file = os.environ.get(STOP_FILE) or None
+        self._file_seen = False
 
-    @staticmethod
-    def received() -> str | None:
-        """The name of the signal this rank got, if it got one."""
-        return signal.Signals(_received).name if _received else None
+    def received(self) -> str | None:
+        """The name of the signal this rank got (or the stop file it saw), if it got one."""
+        if _received:
+            return signal.Signals(_received).name
+        return f"the stop file {self.stop_file}" if self._file_seen else None
 
     def agreed(self, device, record: dict | None = None) -> bool:
         """Did any rank get a stop signal? A collective: every rank calls it at every step boundary.
@@ -67,7 +79,8 @@ class StopSignals:
         spread them (the newest checkpoints rotate the good ones out). So every rank raises, before
         this step's save, one line. They vote because a gradient norm can be one rank's own."""
         loss, norm = (record["loss"], float(record["grad_norm"])) if record else (0.0, 0.0)
-        vote = torch.tensor([1 if _received else 0, 0 if math.isfinite(loss) and math.isfinite(norm) else 1],
+        self._file_seen = self._file_seen or bool(self.stop_file and os.path.exists(self.stop_file))
+        vote = torch.tensor([1 if _received or self._file_seen else 0, 0 if math.isfinite(loss) and math.isfinite(norm) else 1],
                             device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         if vote[1].item():

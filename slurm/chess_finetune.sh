@@ -42,9 +42,15 @@
 set -euo pipefail
 # SLURM's warning may come at any moment, this one included: from here on it is remembered, and
 # passed on to the training once that runs (the trap's full story is above the launch line).
-TRAIN_PID= STOP_REQUESTED=0
-trap 'STOP_REQUESTED=1; echo "USR1: the time limit is near; asking the training to save and stop"
-      [[ -n $TRAIN_PID ]] && kill -USR1 "$TRAIN_PID" || true' USR1
+TRAIN_PID= STOP_REQUESTED=0 MINIDIST_STOP_FILE=
+ask_to_stop() {
+    STOP_REQUESTED=1
+    echo "USR1: the time limit is near; asking the training to save and stop"
+    # srun drops a signal that comes before its tasks started; the file is seen at the next step.
+    [[ -n $MINIDIST_STOP_FILE ]] && mkdir -p "$OUTPUT_DIR" && touch "$MINIDIST_STOP_FILE" || true
+    [[ -n $TRAIN_PID ]] && kill -USR1 "$TRAIN_PID" || true
+}
+trap ask_to_stop USR1
 
 # Work from where the job was submitted: relative paths (DATA, OUTPUT_DIR) are read from there.
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
@@ -76,6 +82,10 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # run of this project has been timed yet.)
 SAVE_STEPS=${SAVE_STEPS:-100}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}   # compute nodes have no internet: use the cache
+# The stop file stands in for a warning that srun dropped (minidist/preemption.py); each start
+# begins without one. Removed before it is named, so a warning now cannot be lost to the `rm`.
+rm -f "$OUTPUT_DIR/stop-requested"
+export MINIDIST_STOP_FILE=$OUTPUT_DIR/stop-requested
 source "$REPO/slurm/allocation.sh"
 whole_number 1 TOTAL_BATCH_SIZE BATCH_SIZE_PER_DEVICE
 whole_number 0 SAVE_STEPS
@@ -113,7 +123,9 @@ fi
 # the first seconds of a start) kills them, with no new checkpoint; as no step has run since the
 # last one, nothing is lost: the job requeues below and resumes from OUTPUT_DIR/latest (the last
 # SAVE_STEPS checkpoint, or the one a previous start saved when it stopped). One that comes
-# before the training started at all requeues at once, without starting it.
+# before the training started at all requeues at once, without starting it. One that comes in
+# the second between srun's start and its tasks' start, srun drops: the stop file stands in, and
+# the ranks stop after their first step, with a checkpoint (a CI run saw this happen).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-270}
 requeue() {  # last: the real `scontrol requeue` ends this job at once and queues it again
     echo "requeueing job $SLURM_JOB_ID; the next start resumes from" \

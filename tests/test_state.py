@@ -299,3 +299,16 @@ def test_a_signal_stops_the_run_at_a_step_boundary_with_status_75(tiny_model, tm
     assert f"stopped by SIGUSR1 after step 2: saved {out / 'checkpoint-2'}" in capsys.readouterr().err
     assert (out / "latest").read_text() == "checkpoint-2\n" and metrics_steps(out) == [1, 2]
     assert signal.getsignal(signal.SIGUSR1) is before  # the handlers are put back
+
+
+def test_the_stop_file_stops_the_run_like_a_signal(tiny_model, tmp_path, monkeypatch, capsys):
+    """srun drops a warning that comes before its tasks started; the batch script's stop file
+    (MINIDIST_STOP_FILE) stands in for it. Here it exists from the start: the run stops after step 1."""
+    out, stop_file = tmp_path / "out", tmp_path / "stop-requested"
+    stop_file.touch()
+    monkeypatch.setenv(preemption.STOP_FILE, str(stop_file))
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(finetune_args(tiny_model, out, "torch", "ddp", "--batch_size_per_device", "4"))
+    assert stop.value.code == preemption.EXIT_STOPPED
+    assert f"stopped by the stop file {stop_file} after step 1: saved {out / 'checkpoint-1'}" in capsys.readouterr().err
+    assert (out / "latest").read_text() == "checkpoint-1\n" and metrics_steps(out) == [1]
