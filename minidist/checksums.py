@@ -17,12 +17,13 @@ digests together. Every rank therefore ends with the same answer: `verify` refus
 at once, and none is left waiting in a collective.
 
 **What it costs.** SHA-256 runs at 0.5-2 GB/s per core (hashlib calls OpenSSL, which uses the
-CPU's SHA instructions where it has them; measured here: 0.57 GB/s on a busy 2-core machine, where
-blake2b gave 0.27). A file just written is read back from the page cache, so the cost is CPU, not
-disk. A 7B sharded checkpoint with AdamW is about 81 GB; on 4 ranks with 4 threads each at 0.57
-GB/s, that is 81 / (16 x 0.57) = about 9 s per save, and the same again for `verify` before a
-resume. Without threads it would be 35 s, a part of the 270 s a preempted job has to save in
-(`slurm/chess_finetune.sh` says why 270).
+CPU's SHA instructions where it has them; measured here: 1.19-1.20 GB/s on one thread of this
+2-core VM over three rounds, 0.57 GB/s when the machine was busy, where blake2b gave 0.27). A file
+just written is read back from the page cache, so the cost is CPU, not disk. A 7B sharded
+checkpoint with AdamW is about 81 GB; on 4 ranks with 4 threads each at 1.2 GB/s, that is
+81 / (16 x 1.2) = about 4 s per save (9 s at the busy 0.57), and the same again for `verify`
+before a resume. Without threads it would be 17 s (35 s), a part of the 270 s a preempted job has
+to save in (`slurm/chess_finetune.sh` says why 270).
 """
 
 import hashlib

@@ -72,7 +72,7 @@ TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # A sharded 7B checkpoint with AdamW holds 80.9 GB (12 bytes per parameter: fp32 weights and two
 # moments), 20.2 GB per rank. Measured here (a CPU VM's local disk, DCP with fsync): 340-370 MB/s
-# per rank, so about 60 s per rank, plus ~9 s of checksums (minidist/checksums.py). A shared file
+# per rank, so about 60 s per rank, plus ~4 s of checksums (minidist/checksums.py). A shared file
 # system giving 0.5-2 GB/s to the node in all needs 40-160 s. Hence the warning 300 s before the
 # limit (--signal above) and 270 s for torchrun's workers to save (PET_SHUTDOWN_TIMEOUT below):
 # enough down to 0.3 GB/s in all. With 90 s and 80 s, a slow file system would be killed mid-save
