@@ -117,7 +117,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
                    input_is_scratch: bool = False):
     """Sum ``input`` (N equal shards, concatenated) over the ranks; rank r gets shard r in ``output``.
 
-    gloo has no reduce-scatter of its own: PyTorch's gloo backend all-reduces a copy of the
+    PyTorch's gloo backend runs a reduce-scatter as an all-reduce: it all-reduces a copy of the
     input, then copies shard r out, so for as long as the collective runs a rank holds a second
     buffer the size of the input (and sends as much as an all-reduce: lesson 01). NCCL, on GPUs,
     needs no such copy. A caller that is about to drop ``input`` anyway (ZeRO-2's and FSDP's
