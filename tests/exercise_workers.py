@@ -350,8 +350,6 @@ def toy_loss(model, x, y):
 
 # ---------------------------------------------------------------------------------- 02: the bucket hook
 def check_bucket_hook(load_solution) -> list[str]:
-    from minidist.parallel import ddp
-
     n, rank = dist.get_world_size(), dist.get_rank()
     theirs = load_solution().BucketedDDP
 
@@ -364,13 +362,16 @@ def check_bucket_hook(load_solution) -> list[str]:
             self.current = id(param)
             super()._on_grad_ready(param)
 
-    reference = ddp.BucketedDDP(ToyNet(), bucket_cap_mb=BUCKET_CAP_MB)
+    plain = ToyNet()  # the expected gradients: this copy's, averaged over ranks by the library
     model = Watched(ToyNet(), bucket_cap_mb=BUCKET_CAP_MB)
     names = {id(p): name for name, p in model.module.named_parameters()}
     problems = []
     for step in range(2):
         x, y = toy_batch(rank, step)
-        toy_loss(reference, x, y).backward()
+        toy_loss(plain, x, y).backward()
+        for q in plain.parameters():
+            dist.all_reduce(q.grad)
+            q.grad /= n
         model.seen, model.local, launches = [], {}, []
         real_all_reduce = comm.all_reduce
 
@@ -385,14 +386,14 @@ def check_bucket_hook(load_solution) -> list[str]:
         with mock.patch.object(comm, "all_reduce", recorded):
             toy_loss(model, x, y).backward()
         found = _launch_problems(model, launches, names, n, step)
-        for (name, p), q in zip(model.module.named_parameters(), reference.module.parameters()):
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
             found += _gradient_problem(f"step {step + 1}, gradient of {name!r}", p.grad, q.grad, n,
                                        model.local.get(id(p)))[:1]
             if len(found) and found[-1].startswith(f"step {step + 1}, gradient"):
                 break  # the first parameter that is wrong says it
         problems = problems or found  # the first step with problems (the ranks still run both)
         model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
     return problems
 
 
@@ -585,10 +586,18 @@ def check_zero2_step(load_solution) -> list[str]:
         options = dict(lr=0.05, weight_decay=0.1, **ADAMW_OPTIONS)
         ref_opt = ShardedOptimizer(reference.buckets, torch.optim.AdamW, reference.group, **options)
         opt = theirs(model.buckets, torch.optim.AdamW, model.group, **options)
+        plain = ToyNet()  # fp32: what ZeRO must equal, AdamW on every weight with the averaged gradient
+        plain_opt = torch.optim.AdamW(plain.parameters(), **options)
         for step in range(3):
             x, y = toy_batch(rank, step, dtype)
             toy_loss(reference, x, y).backward()
             toy_loss(model, x, y).backward()
+            toy_loss(plain, x.float(), y).backward()
+            for q in plain.parameters():
+                dist.all_reduce(q.grad)
+                q.grad /= dist.get_world_size()
+            plain_opt.step()
+            plain_opt.zero_grad()
             before = [b.weights.detach().clone() for b in model.buckets]
             comm.counter.reset()
             ref_opt.step()
@@ -602,6 +611,19 @@ def check_zero2_step(load_solution) -> list[str]:
                              "comm.all_gather(bucket.weights, my_shard.clone(), group=self.group) for each bucket")
             for b, (bucket, ref_bucket, old) in enumerate(zip(model.buckets, reference.buckets, before)):
                 found += _zero_bucket_problems(f"{where}, bucket {b}", bucket, ref_bucket, old, rank)[:1]
+                first = bucket.weights.detach().clone()
+                dist.broadcast(first, 0)  # every rank must hold the same weights after a step
+                if not torch.equal(first, bucket.weights.detach()):
+                    found.append(f"{where}, bucket {b}: this rank's weights differ from rank 0's "
+                                 f"({_first_difference(bucket.weights.detach(), first)}, rank 0's). Hint: the ranks "
+                                 "drift apart unless every rank all-gathers everyone's updated shard")
+            if dtype == torch.float32:
+                for (name, q), want in zip(model.module.named_parameters(), plain.parameters()):
+                    if not _close(q.detach(), want.detach(), rtol=1e-4, atol=1e-6):
+                        found.append(f"{where}: {name!r} is not what AdamW on the averaged gradient gives in one "
+                                     f"process ({_first_difference(q.detach(), want.detach())}). Hint: each master gets "
+                                     "its shard's gradient, the inner AdamW steps, then every rank all-gathers")
+                        break
             opt.zero_grad()
             ref_opt.zero_grad()
         problems = problems or found[:3]  # fp32's problems first; bf16's where fp32 had none
@@ -649,6 +671,7 @@ def check_fsdp_gather_free(load_solution) -> list[str]:
     peak = []  # units holding gathered memory, seen as each block starts its forward
     for unit in model.layer_units:
         unit.module.register_forward_pre_hook(lambda *_: peak.append(sum(live(u) > 0 for u in model.units)))
+    plain = ToyNet()  # the same weights, unsharded: its loss is what a gathered forward computes
     problems, optimizers = [], [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     for step in range(2):
         x, y = toy_batch(rank, step)
@@ -678,8 +701,9 @@ def check_fsdp_gather_free(load_solution) -> list[str]:
         if model.max_unsharded < counted <= 3:  # (more than 3: the memory itself is the problem, said above)
             found.append(f"{where}: model.max_unsharded says {model.max_unsharded}, but {counted} units were gathered "
                          "at once. Hint: self.fsdp._count_unsharded(+1) when a gather starts, (-1) when a unit is freed")
-        if not _close(loss.detach(), ref_loss.detach()):
-            found.append(f"{where}: the loss is {loss.item():.6g}, minidist's FSDP gives {ref_loss.item():.6g}. Hint: "
+        want = toy_loss(plain, x, y).detach() if step == 0 else ref_loss.detach()  # (then SGD moves the shards)
+        if not _close(loss.detach(), want):
+            found.append(f"{where}: the loss is {loss.item():.6g}, the unsharded model's is {want.item():.6g}. Hint: "
                          "gather every rank's shard into the unit's full buffer, and wait for it before the unit runs")
         for unit, ref_unit in zip(model.units, reference.units):
             got, want = unit.flat_param.grad, ref_unit.flat_param.grad
