@@ -2,11 +2,16 @@
 
 `check(exercise, sources)` starts the exercise's ranks once and runs, in each, the exercise's
 check on every source in turn: a path to a learner's file (a copy of a skeleton), or "minidist"
-for minidist's own implementation under the skeleton's names. Each check builds the same setup
-twice, once with minidist's implementation and once with the source's, or compares with the
-library (the ring), and returns what differs, in words: which rank, which tensor, expected and
-got, and a hint at the usual mistake. An exception raised by the source becomes such a sentence
-too, with the line of the learner's file it came from.
+for minidist's own implementation under the skeleton's names. Each check runs the source inside
+minidist's own classes and compares with what does not depend on the file being checked: the
+library's all-reduce (01), a plain copy of the model whose gradients the library averages (02,
+04 in fp32), one process on the whole global batch (03), the unsharded model's loss (05); and with
+minidist's own implementation beside it where only it knows the answer (ZeRO's bf16 step, FSDP's
+gradient shards and bytes). It also watches what a right answer must do besides the numbers: the
+bytes sent, when a bucket's all-reduce starts, how much gathered memory stays alive. What
+differs comes back in words: which rank, which tensor, expected and got, and a hint at the usual
+mistake. An exception raised by the source becomes such a sentence too, with the line of the
+learner's file it came from.
 
 Every rank runs every collective of a check whatever it finds (problems are collected, never
 returned early), so that the ranks stay in step from one source to the next. A source that
@@ -16,7 +21,6 @@ command checks one source per launch, where `launch` ends that cleanly.
 
 import ast
 import importlib.util
-import math
 import os
 import traceback
 from contextlib import contextmanager

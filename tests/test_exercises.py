@@ -338,7 +338,12 @@ else:
         for words in WRONG[exercise][wrong][1]:
             assert words in verdict, f"{words!r} is not in the message:\n{verdict}"
 
-    def test_every_skeleton_names_its_exercise():
+    def test_a_copy_of_a_skeleton_is_known_by_its_exercise_line(tmp_path):
         """A learner's copy is checked by its EXERCISE line, wherever it lives and whatever its name."""
         for exercise in EXERCISES:
-            assert exercise_of(skeleton(exercise)) == exercise
+            copy = tmp_path / "my_solution.py"
+            copy.write_text(skeleton(exercise).read_text())
+            assert exercise_of(copy) == exercise
+        copy.write_text("def ring_all_reduce(tensor, group=None):\n    pass\n")
+        with pytest.raises(CheckError, match="no EXERCISE"):
+            exercise_of(copy)

@@ -9,8 +9,9 @@ wrap time, the buckets (`GradientBucket`: a flat `buffer`, each parameter's `off
 `pending` count), the hook registration, and `_finish`, which waits for every bucket and makes
 each `param.grad` a view of its averaged slice. The check wraps a small 5-layer network on 2 gloo
 ranks in your class (5 buckets), runs two backward passes on different data per rank, and
-compares with minidist's `BucketedDDP`: every gradient, and *when* each bucket's all-reduce was
-launched (as soon as the bucket is full, not before, not at the end). minidist's own answer is
+compares every gradient with a plain copy's, averaged over the ranks by the library, and checks
+*when* each bucket's all-reduce was launched (as soon as the bucket is full, not before, not at
+the end) and what it held. minidist's own answer is
 `BucketedDDP._on_grad_ready`: read it after.
 """
 

@@ -10,7 +10,7 @@ bucket so that rank r keeps only the averaged gradient of its shard; `ShardedOpt
 builds the inner AdamW (`self.optimizer`) over the buckets' fp32 masters, one shard each. The
 check trains a small 5-layer network with ZeRO-2 on 2 gloo ranks for 3 steps, in fp32 and in
 bf16, with your `step` and with minidist's, and compares every rank's weights, masters and bytes
-sent after each step. minidist's own answer is `ShardedOptimizer.step`: read it after.
+sent after each step (in fp32 also with plain AdamW on the averaged gradient, in one process). minidist's own answer is `ShardedOptimizer.step`: read it after.
 """
 
 import torch
