@@ -58,7 +58,7 @@ def notebook_times(stats: dict) -> list[str]:
     rows.sort()
     width = max(len(name) for name, _, _ in rows)
     return ([f"{name:<{width}} {seconds:6.1f} s{note}" for name, seconds, note in rows]
-            + [f"{len(rows)} notebooks, {sum(s for _, s, _ in rows):.1f} s in all"])
+            + [f"{len(rows)} notebook{'s' * (len(rows) > 1)}, {sum(s for _, s, _ in rows):.1f} s in all"])
 
 
 def pytest_terminal_summary(terminalreporter):
