@@ -139,7 +139,9 @@ def hub_shards(dataset=HUB_DATASET, num_shards=1):
     name (`hf://datasets/...` URLs, listed through the hub's API) or a local copy of its repository."""
     from datasets import load_dataset_builder
     try:
-        return sorted(load_dataset_builder(dataset).config.data_files["train"])[:num_shards]
+        local = pathlib.Path(dataset)  # a folder by its absolute path: datasets cannot name the one "." is
+        source = str(local.resolve()) if local.is_dir() else dataset
+        return sorted(load_dataset_builder(source).config.data_files["train"])[:num_shards]
     except Exception as e:  # offline, no route, no such repository: many classes, one message
         raise ConnectionError(f"Could not list the files of {dataset} ({type(e).__name__}): run the download where "
                               f"there is internet, with HF_HUB_OFFLINE unset, or pass --dataset FOLDER, a local "
@@ -149,10 +151,8 @@ def hub_shards(dataset=HUB_DATASET, num_shards=1):
 def download_dataset(out_dir, num_shards=1, max_games=None, test_games=1000, dataset=HUB_DATASET):
     """Stream the games of the first `num_shards` shards of `dataset`; write out_dir/{train,test}.jsonl.
 
-    Run it where there is internet (a login node): the shards are streamed, not kept, and the
-    compute nodes then read only the jsonl. The first `test_games` games are held out as the test
-    split; up to `max_games` follow as train, so a small `max_games` reads only what it needs.
-    """
+    Run it where there is internet (a login node); compute nodes then read only the jsonl. The first
+    `test_games` games are the test split; up to `max_games` follow as train, read as they are needed."""
     games = _iter_parquet_games(hub_shards(dataset, num_shards))  # one stream: train starts where test stops
     out_dir = pathlib.Path(out_dir)
     test = write_games(games, out_dir / "test.jsonl", test_games)

@@ -163,7 +163,7 @@ def hub_copy(folder, shards):
     return folder
 
 
-def test_download_streams_the_shards_through_datasets_offline(tmp_path, offline, capsys):
+def test_download_streams_the_shards_through_datasets_offline(tmp_path, offline, capsys, monkeypatch):
     repo = hub_copy(tmp_path / "strategic_game_chess", [ROWS[:3], ROWS[3:]])
     assert data.hub_shards(str(repo), num_shards=1) == [str(repo / "data" / "train-00000-of-00002.parquet")]
 
@@ -178,8 +178,9 @@ def test_download_streams_the_shards_through_datasets_offline(tmp_path, offline,
     assert data.load_games(tmp_path / "two" / "train.jsonl") == TEXTS[1:3]
 
     out = tmp_path / "cli"
+    monkeypatch.chdir(repo)  # a folder named as a learner would, from inside it
     assert data.main(["download", "--out", str(out), "--num_shards", "2", "--test_games", "2",
-                      "--dataset", str(repo)]) == 0
+                      "--dataset", "."]) == 0
     assert capsys.readouterr().out == f"wrote 2 train and 2 test games to {out}\n"
     assert data.load_games(out / "test.jsonl") + data.load_games(out / "train.jsonl") == TEXTS
 
