@@ -11,8 +11,8 @@ format, written and read with a check of every line, is `jsonl.py`'s):
 1. `generate_games`: play games with python-chess and a weak policy (no engine, no network).
    A sample of ~3000 train and 300 held-out games ships in `minidist/games/`.
 2. `convert_parquet`: turn the real dataset's parquet shards into jsonl, streaming.
-3. `download_dataset`: on a machine with internet, fetch the first shards into the Hugging Face
-   cache (`HF_HOME`) and convert them, so offline compute nodes only read jsonl.
+3. `download_dataset`: on a machine with internet, stream the first shards from the hub with
+   `datasets` and write them as jsonl, so offline compute nodes only read jsonl.
 
 Then `tokenize_games` (truncate at `max_seq_length`, always) and `collate` (right padding,
 labels -100 where padded so padding never counts in the loss).
@@ -96,20 +96,24 @@ def bundled_games(split):
 
 
 # ---------------------------------------------------------------- the hub dataset
-def _iter_parquet_games(shard_paths):
-    """Yield game texts shard by shard, batch by batch: a shard never sits in memory whole."""
-    import pyarrow.parquet as pq  # only the converter needs pyarrow
+def _iter_parquet_games(shards):
+    """Yield game texts from parquet shards in the hub's schema, in order, through `datasets`.
 
-    for shard in shard_paths:
-        for batch in pq.ParquetFile(shard).iter_batches(columns=["Moves", "Result"], batch_size=4096):
-            for moves, result in zip(batch.column("Moves").to_pylist(), batch.column("Result").to_pylist()):
-                if moves:  # a few rows have no moves: nothing to learn from
-                    yield " ".join(moves) + " " + result
+    `datasets`' parquet loader in streaming mode reads a shard batch by batch (a shard never sits
+    in memory whole) and writes no Arrow copy of it. It takes local paths and the hub's own
+    `hf://datasets/...` URLs alike, so the converter and the download share this one reader.
+    """
+    from datasets import load_dataset  # only the converter and the download need datasets
+    stream = load_dataset("parquet", data_files=[str(s) for s in shards], split="train", streaming=True)
+    for batch in stream.select_columns(["Moves", "Result"]).iter(batch_size=4096):
+        for moves, result in zip(batch["Moves"], batch["Result"]):
+            if moves:  # a few rows have no moves: nothing to learn from
+                yield " ".join(moves) + " " + result
 
 
 def _check_shard(shard):
     """ValueError unless `shard` is a parquet file with the hub dataset's `Moves` and `Result` columns."""
-    import pyarrow as pa
+    import pyarrow as pa  # reading the footer alone: told before anything is streamed or written
     import pyarrow.parquet as pq
 
     try:
@@ -130,31 +134,26 @@ def convert_parquet(shard_paths, out_path, max_games=None):
     return write_games(_iter_parquet_games(shard_paths), out_path, max_games)
 
 
-def download_dataset(out_dir, num_shards=1, max_games=None, test_games=1000):
-    """Cache the first `num_shards` parquet shards (in HF_HOME); write out_dir/{train,test}.jsonl.
-
-    Run it where there is internet; with HF_HUB_OFFLINE=1 it reuses shards already in the cache.
-    The first `test_games` games are held out as the test split; up to `max_games` follow as train.
-    """
-    import huggingface_hub  # looked up at call time, so tests can stand in for the hub
-    import huggingface_hub.constants  # HF_HUB_OFFLINE, read from the environment
-
+def hub_shards(dataset=HUB_DATASET, num_shards=1):
+    """The first `num_shards` parquet files of the train split, as `datasets` resolves `dataset`: a hub
+    name (`hf://datasets/...` URLs, listed through the hub's API) or a local copy of its repository."""
+    from datasets import load_dataset_builder
     try:
-        if huggingface_hub.constants.HF_HUB_OFFLINE:  # no hub to ask: list what the cache holds
-            files = [f.file_name for r in huggingface_hub.scan_cache_dir().repos
-                     if r.repo_id == HUB_DATASET for rev in r.revisions for f in rev.files]
-        else:
-            files = huggingface_hub.HfApi().list_repo_files(HUB_DATASET, repo_type="dataset")
-        shards = sorted({f for f in files if f.endswith(".parquet")})[:num_shards]
-        paths = [huggingface_hub.hf_hub_download(HUB_DATASET, f, repo_type="dataset") for f in shards]
-    except Exception as e:  # network and cache errors come in many classes; say one thing
-        why = f"Could not fetch {HUB_DATASET} ({type(e).__name__})"
-        raise ConnectionError(f"{why}: run the download where there is internet, "
-                              f"with HF_HUB_OFFLINE unset.") from e
-    if not paths:
-        raise FileNotFoundError(f"No parquet shards of {HUB_DATASET} found: run the download "
-                                f"once with network access (HF_HUB_OFFLINE unset).")
-    games = _iter_parquet_games(paths)  # one stream: train starts where test stops
+        local = pathlib.Path(dataset)  # a folder by its absolute path: datasets cannot name the one "." is
+        source = str(local.resolve()) if local.is_dir() else dataset
+        return sorted(load_dataset_builder(source).config.data_files["train"])[:num_shards]
+    except Exception as e:  # offline, no route, no such repository: many classes, one message
+        raise ConnectionError(f"Could not list the files of {dataset} ({type(e).__name__}): run the download where "
+                              f"there is internet, with HF_HUB_OFFLINE unset, or pass --dataset FOLDER, a local "
+                              f"copy of it.") from None
+
+
+def download_dataset(out_dir, num_shards=1, max_games=None, test_games=1000, dataset=HUB_DATASET):
+    """Stream the games of the first `num_shards` shards of `dataset`; write out_dir/{train,test}.jsonl.
+
+    Run it where there is internet (a login node); compute nodes then read only the jsonl. The first
+    `test_games` games are the test split; up to `max_games` follow as train, read as they are needed."""
+    games = _iter_parquet_games(hub_shards(dataset, num_shards))  # one stream: train starts where test stops
     out_dir = pathlib.Path(out_dir)
     test = write_games(games, out_dir / "test.jsonl", test_games)
     return {"test": test, "train": write_games(games, out_dir / "train.jsonl", max_games)}
@@ -260,11 +259,12 @@ def main(argv=None):
     conv.add_argument("shards", nargs="+")
     conv.add_argument("--out", required=True)
     conv.add_argument("--max_games", type=int)
-    down = sub.add_parser("download", help="cache hub shards and write train/test jsonl")
+    down = sub.add_parser("download", help="stream hub shards into train/test jsonl")
     down.add_argument("--out", required=True)
     down.add_argument("--num_shards", type=int, default=1)
     down.add_argument("--max_games", type=int)
     down.add_argument("--test_games", type=int, default=1000)
+    down.add_argument("--dataset", default=HUB_DATASET, help="hub name, or a local copy of its repository")
     args = parser.parse_args(argv)
     for name, least in AT_LEAST.items():  # told before any game is played or file written
         value = getattr(args, name, None)  # None: not this subcommand's flag, or not given
@@ -291,7 +291,7 @@ def main(argv=None):
         elif args.command == "convert":
             print(f"wrote {convert_parquet(args.shards, args.out, args.max_games)} games to {args.out}")
         else:
-            counts = download_dataset(args.out, args.num_shards, args.max_games, args.test_games)
+            counts = download_dataset(args.out, args.num_shards, args.max_games, args.test_games, args.dataset)
             print(f"wrote {counts['train']} train and {counts['test']} test games to {args.out}")
     return 0
 

@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny Llama written once per test session, loaded like any hub model, and a
-real SLURM cluster on this machine."""
+real SLURM cluster on this machine. And the session's summary of each notebook's time."""
 
 import pytest
 
@@ -36,3 +36,35 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+def notebook_times(stats: dict) -> list[str]:
+    """One line per notebook test that recorded its time (tests/test_notebooks.py), by name, then the total.
+
+    A notebook over its budget is marked, not failed: the budget is a benchmark's, and a loaded
+    machine is slower without anything being wrong."""
+    rows = []
+    for report in (r for reports in stats.values() for r in reports):
+        props = dict(getattr(report, "user_properties", ()))
+        if "notebook_seconds" in props and getattr(report, "when", "call") == "call":
+            name = report.nodeid.rsplit("[", 1)[-1].rstrip("]")
+            seconds, budget = props["notebook_seconds"], props["notebook_budget_s"]
+            note = "  (failed)" if report.outcome == "failed" else ""
+            if seconds > budget:
+                note += f"  over the {budget} s budget (a benchmark: reported, not a failure)"
+            rows.append((name, seconds, note))
+    if not rows:
+        return []
+    rows.sort()
+    width = max(len(name) for name, _, _ in rows)
+    return ([f"{name:<{width}} {seconds:6.1f} s{note}" for name, seconds, note in rows]
+            + [f"{len(rows)} notebook{'s' * (len(rows) > 1)}, {sum(s for _, s, _ in rows):.1f} s in all"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print each notebook's time at the end of the session, whether or not `-s` is given."""
+    lines = notebook_times(terminalreporter.stats)
+    if lines:
+        terminalreporter.write_sep("-", "notebook times, small configuration (budget: reported, not asserted)")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,7 +1,6 @@
 """Tests of minidist.data: legal games, files, the parquet converter, tokens, batches, sampler."""
 import json
 import random
-import types
 
 import chess
 import pyarrow as pa
@@ -137,56 +136,65 @@ def test_cli_generate_held_out(tmp_path, monkeypatch):
     assert data.load_games(test) == ["g 0-1", "h 1-0", "i 1-0"]
 
 
-def test_download_dataset_with_fake_hub(tmp_path, monkeypatch):
-    import huggingface_hub
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No network at all: every socket connect fails, and `datasets` and the hub client are told offline
+    (both read HF_HUB_OFFLINE when imported, so their flags are set too); `datasets`' cache in tmp_path."""
+    import datasets.config
     import huggingface_hub.constants
 
-    shard0 = write_shard(tmp_path / "s0.parquet", ROWS[:3])
-    shard1 = write_shard(tmp_path / "s1.parquet", ROWS[3:])
-    served = {"data/train-00000.parquet": shard0, "data/train-00001.parquet": shard1}
-    downloads = []
+    def refuse(*args, **kwargs):
+        raise OSError("the test forbids the network")
 
-    class FakeApi:
-        def list_repo_files(self, repo_id, repo_type=None):
-            assert (repo_id, repo_type) == ("laion/strategic_game_chess", "dataset")
-            return ["README.md", "data/train-00001.parquet", "data/train-00000.parquet"]
+    monkeypatch.setattr("socket.socket.connect", refuse)
+    monkeypatch.setattr("socket.create_connection", refuse)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets_cache")
 
-    def fake_download(repo_id, filename, repo_type=None):
-        assert repo_type == "dataset"
-        downloads.append(filename)
-        return str(served[filename])
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+def hub_copy(folder, shards):
+    """A folder laid out like the hub repository: data/train-0000k-of-0000n.parquet, written in its schema."""
+    (folder / "data").mkdir(parents=True)
+    for k, rows in reversed(list(enumerate(shards))):  # written last first: they are read in name order
+        write_shard(folder / "data" / f"train-{k:05d}-of-{len(shards):05d}.parquet", rows)
+    return folder
 
-    counts = data.download_dataset(tmp_path / "one", num_shards=1, test_games=1)
-    assert downloads == ["data/train-00000.parquet"]
-    assert counts == {"test": 1, "train": 1}
+
+def test_download_streams_the_shards_through_datasets_offline(tmp_path, offline, capsys, monkeypatch):
+    repo = hub_copy(tmp_path / "strategic_game_chess", [ROWS[:3], ROWS[3:]])
+    assert data.hub_shards(str(repo), num_shards=1) == [str(repo / "data" / "train-00000-of-00002.parquet")]
+
+    counts = data.download_dataset(tmp_path / "one", num_shards=1, test_games=1, dataset=str(repo))
+    assert counts == {"test": 1, "train": 1}  # shard 0 holds two games (its empty row is skipped)
     assert data.load_games(tmp_path / "one" / "test.jsonl") == TEXTS[:1]
     assert data.load_games(tmp_path / "one" / "train.jsonl") == TEXTS[1:2]
 
-    counts = data.download_dataset(tmp_path / "two", num_shards=2, max_games=2, test_games=1)
+    # Two shards, one stream: train starts where test stops, and max_games bounds it.
+    counts = data.download_dataset(tmp_path / "two", num_shards=2, max_games=2, test_games=1, dataset=str(repo))
     assert counts == {"test": 1, "train": 2}
     assert data.load_games(tmp_path / "two" / "train.jsonl") == TEXTS[1:3]
 
-    # Offline: the shards come from what the cache already holds, the hub is never listed.
-    cached = types.SimpleNamespace(repo_id="laion/strategic_game_chess", revisions=[
-        types.SimpleNamespace(files=[types.SimpleNamespace(file_name="train-00000.parquet")])])
-    served["train-00000.parquet"] = shard0
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub, "HfApi", None)
-    monkeypatch.setattr(huggingface_hub, "scan_cache_dir",
-                        lambda: types.SimpleNamespace(repos=[cached]))
-    assert data.download_dataset(tmp_path / "off", test_games=1) == {"test": 1, "train": 1}
+    out = tmp_path / "cli"
+    monkeypatch.chdir(repo)  # a folder named as a learner would, from inside it
+    assert data.main(["download", "--out", str(out), "--num_shards", "2", "--test_games", "2",
+                      "--dataset", "."]) == 0
+    assert capsys.readouterr().out == f"wrote 2 train and 2 test games to {out}\n"
+    assert data.load_games(out / "test.jsonl") + data.load_games(out / "train.jsonl") == TEXTS
 
-    def no_network():
-        raise RuntimeError("Name or service not known")
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub, "HfApi", no_network)
-    with pytest.raises(ConnectionError, match="internet"):
-        data.download_dataset(tmp_path / "none")
+def test_download_of_the_hub_offline_is_one_line(tmp_path, offline, capsys):
+    """Offline, the hub's own name cannot be listed: one line that says where to run it, no file written."""
+    out = tmp_path / "dl"
+    with pytest.raises(SystemExit) as stop:
+        data.main(["download", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("minidist.data: error: Could not list the files of laion/strategic_game_chess")
+    assert "internet" in err and "--dataset FOLDER" in err
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------- tokens and batches
