@@ -1,0 +1,239 @@
+"""Trace what a model saves for backward, instead of deriving it by hand, for any architecture.
+
+`estimator.layer_bytes_per_token` derives a Llama layer's saved activations by reading
+`modeling_llama.py` line by line. That is the lesson's worked example, but it does not scale: a
+Mistral, a GPT-NeoX or a Mixtral layer saves other tensors, and the attention kernel the run takes
+(SDPA's fused kernels save no T x T scores; `eager`, or SDPA with dropout, does) changes the sum.
+So here we ask the model itself:
+
+1. Build it from its config under PyTorch's `FakeTensorMode`: every tensor has a shape, a dtype,
+   a device and a storage size, but no data, so a 70B model at 32k tokens costs no memory, and
+   every operator runs its "meta" rule instead of its kernel. The dispatch is the real one, so SDPA
+   picks the kernel a CPU run would pick, and autograd records what each operator saves.
+2. Run forward and the loop's own loss (`finetune.token_loss_sum`) at the requested batch, length
+   and precision (fp32; bf16 weights; autocast), with `torch.autograd.graph.saved_tensors_hooks`.
+   The pack hook sees every tensor autograd saves. We count distinct storages (a view shares its
+   base's storage, so it counts once), skip parameters and views of them (model states), and note
+   which decoder layer was running when each storage was saved.
+3. A storage saved by one layer only is that layer's. One saved by several (the rotary cos and
+   sin, the attention mask, T5's position bias) is *shared*. What no layer saved (embeddings,
+   final norm, the output layer's input, the loss's fp32 log-probabilities) is *outside*.
+   Under autocast the bf16 copies of the weights are saved too; they are counted apart
+   (`weight_copies`), as the estimator does.
+4. Layers are grouped into *types*: the decoder layer's class, its submodules' classes (a sparse
+   MoE block is not a dense MLP) and its config-driven variant (Gemma2's `sliding_attention` and
+   `full_attention`). Every layer runs (under fake tensors a forward costs only its Python), so a
+   non-uniform model (Qwen2-MoE with every other layer sparse) is counted layer by layer, and
+   `types` says what differs.
+
+What the real run does that a trace cannot know, we pin:
+- transformers treats fake tensors as "tracing" and then keeps the attention mask it could drop;
+  for an unpadded batch we pass no mask and let its checks see no padding, no cache offset and no
+  packed sequences, as the real run sees them, so it builds a mask only where one is needed (a sliding window shorter
+  than the batch);
+- MoE routing depends on the data: transformers' grouped-matmul experts save tensors whose sizes
+  depend only on tokens x top-k, not on which expert gets which token, so the trace is exact for
+  them. (PyTorch's meta rule for `_grouped_mm` accepts bf16 only; in fp32 we take transformers'
+  own fallback op, which saves the same input and weight.)
+- the device is the CPU: a GPU run may pick another SDPA kernel (flash saves no mask; memory-
+  efficient attention with a mask saves it), which this trace does not model.
+
+Validated against a real CPU forward of tiny models in tests/test_trace.py.
+"""
+
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+
+MODES = ("fp32", "bf16", "autocast")
+
+
+@dataclass
+class Trace:
+    """Bytes saved for backward by one micro-batch, split by where they were saved."""
+
+    layers: list  # per decoder layer, in order: bytes that layer alone saved
+    layer_types: list  # per decoder layer: its type (see `layer_type`)
+    shared: int = 0  # saved by several layers (rotary cos/sin, the attention mask, position bias)
+    outside: int = 0  # saved by no layer: embeddings, final norm, output layer, loss
+    weight_copies: int = 0  # autocast's bf16 copies of the weights
+    attn_implementation: str = ""
+    storages: dict = field(default_factory=dict, repr=False)  # storage -> (bytes, owners)
+
+    @property
+    def saved(self) -> int:
+        """Everything forward and the loss keep for backward (weight copies apart)."""
+        return sum(self.layers) + self.shared + self.outside
+
+    @property
+    def types(self) -> dict:
+        """{layer type: (count, bytes per layer)}; a type whose layers differ lists the largest."""
+        out = {}
+        for kind, nbytes in zip(self.layer_types, self.layers):
+            count, most = out.get(kind, (0, 0))
+            out[kind] = (count + 1, max(most, nbytes))
+        return out
+
+
+def decoder_layers(model) -> list:
+    """The model's repeated blocks, in order: the classes it names as not to be split
+    (`_no_split_modules`, what FSDP wraps as units), found among its submodules."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # A unit class may hold another (a stack of blocks): keep the innermost.
+    ids = {id(m) for m in layers}
+    return [m for m in layers if not any(id(c) in ids for c in m.modules() if c is not m)]
+
+
+def layer_type(layer) -> str:
+    """A layer's type: its class, its config-driven attention variant, and its submodules'
+    classes (so a sparse MoE block and a dense MLP differ). Parameter shapes too, as
+    a layer may be narrower (Qwen2-MoE's dense MLP width differs from the expert width)."""
+    variant = None
+    for module in (layer, *(m for m in layer.children() if hasattr(m, "layer_idx"))):  # the layer, its attention
+        variant = variant or getattr(module, "attention_type", None) or getattr(module, "layer_type", None)
+        types, idx = getattr(getattr(module, "config", None), "layer_types", None), getattr(module, "layer_idx", None)
+        variant = variant or (types[idx] if types and isinstance(idx, int) and idx < len(types) else None)
+    parts = sorted({type(m).__name__ for m in layer.modules() if m is not layer})
+    shapes = tuple(tuple(p.shape) for p in layer.parameters())
+    return f"{type(layer).__name__}[{variant or 'attention'}]({','.join(parts)})#{abs(hash(shapes)) % 10**6:06d}"
+
+
+class SavedByLayer:
+    """`with SavedByLayer(model) as seen:` records each storage autograd saves, its bytes and the
+    decoder layers (by index) that saved it; -1 for none. Works on real and fake tensors alike."""
+
+    def __init__(self, model):
+        self.model, self.layers = model, decoder_layers(model)
+        self.current = -1
+        self.storages = {}  # storage key -> [bytes, set of owners, is a weight copy]
+        self.keep = []  # the saved storages stay alive while we hold them, so keys are not reused
+        self._stack = ExitStack()
+
+    def _pack(self, tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        if base.is_leaf and base.requires_grad:
+            return tensor  # a parameter or a view of one: a model state
+        storage = tensor.untyped_storage()
+        entry = self.storages.setdefault(storage._cdata, [storage.nbytes(), set(), _is_weight_copy(base)])
+        entry[1].add(self.current)
+        self.keep.append(tensor)
+        return tensor
+
+    def __enter__(self):
+        for i, layer in enumerate(self.layers):
+            self._stack.callback(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "current", i)).remove)
+            self._stack.callback(layer.register_forward_hook(lambda *_: setattr(self, "current", -1)).remove)
+        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def result(self, attn_implementation: str = "") -> Trace:
+        per_layer = [0] * len(self.layers)
+        out = Trace(per_layer, [layer_type(m) for m in self.layers], attn_implementation=attn_implementation)
+        for key, (nbytes, owners, copy) in self.storages.items():
+            layers = owners - {-1}
+            out.storages[key] = (nbytes, owners)
+            if copy:
+                out.weight_copies += nbytes
+            elif len(layers) == 1 and -1 not in owners:
+                per_layer[next(iter(layers))] += nbytes
+            elif layers:
+                out.shared += nbytes
+            else:
+                out.outside += nbytes
+        return out
+
+
+def _is_weight_copy(t) -> bool:
+    """A cast of a parameter (autocast's bf16 weight): its grad_fn leads straight to the leaf."""
+    fn = t.grad_fn
+    return (fn is not None and type(fn).__name__ == "ToCopyBackward0"
+            and any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions))
+
+
+class _Autocast:
+    """What `token_loss_sum` asks of a strategy: the autocast context of the run's precision."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.mode == "autocast" else nullcontext()
+
+
+def batch_for(batch: int, seq: int, padded: bool, vocab_size: int, make=torch.randint) -> dict:
+    """A micro-batch as the loop builds it: the last sequence right-padded from half its length."""
+    input_ids = make(0, vocab_size, (batch, seq))
+    attention_mask = torch.ones_like(input_ids)
+    if padded:
+        attention_mask[-1, seq // 2:] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+
+
+def run_and_record(model, batch: dict, mode: str) -> Trace:
+    """Forward and the loop's loss under `SavedByLayer`: what a real (or fake) model saves."""
+    from minidist.finetune import token_loss_sum
+
+    with SavedByLayer(model) as seen:
+        loss = token_loss_sum(model, batch, _Autocast(mode))
+    del loss
+    return seen.result(model.config._attn_implementation)
+
+
+@contextmanager
+def _as_the_real_run(padded: bool):
+    """Make transformers take, on fake tensors, the paths it takes on real ones (module docstring)."""
+    import transformers.integrations.moe as moe
+    import transformers.masking_utils as masking
+
+    with ExitStack() as stack:
+        if not padded:  # no padding, no cache: the real run drops the mask and lets SDPA be causal by itself
+            ignore = masking._ignore_causal_mask_sdpa
+            stack.enter_context(mock.patch.object(masking, "_ignore_causal_mask_sdpa", lambda padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None: ignore(None, q_length, kv_length, 0, 0, local_attention_size)))
+            # and the positions are 0..T-1 in every row: not packed sequences (which need a mask)
+            stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None))
+        grouped = moe._can_use_grouped_mm
+        stack.enter_context(mock.patch.object(
+            moe, "_can_use_grouped_mm", lambda i, w, o: w.dtype == torch.bfloat16 and grouped(i, w, o)))
+        yield
+
+
+def build(config, mode: str = "fp32", attn_implementation: str | None = None):
+    """The causal LM of `config`, as the run builds it (`models.load_model`), in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "bf16" else torch.float32, **kwargs)
+    return model.train()
+
+
+def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
+          attn_implementation: str | None = None) -> Trace:
+    """What one micro-batch of `batch` x `seq` tokens saves for backward, traced on fake tensors.
+
+    config: a transformers config (or a folder / hub name, read with `estimator.load_config`);
+    mode: fp32, bf16 (bf16 weights) or autocast (bf16 matmuls over fp32 weights);
+    attn_implementation: None takes what transformers picks for the config, as the run does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from minidist.memory.estimator import load_config
+
+    if mode not in MODES:
+        raise ValueError(f"the precision must be one of {', '.join(MODES)}, got {mode!r}")
+    config = load_config(config) if isinstance(config, str) else config
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _as_the_real_run(padded):
+        try:
+            model = build(config, mode, attn_implementation)
+        except ValueError as err:
+            raise ValueError(f"cannot trace {config.model_type!r}: transformers builds no causal LM from it "
+                             f"({str(err).strip().splitlines()[0][:120]})") from err
+        data = {k: fake.from_tensor(v) for k, v in batch_for(batch, seq, padded, config.vocab_size).items()}
+        if not padded:  # all ones: the real run reads it and drops it, which a fake tensor cannot be read for
+            data["attention_mask"] = None
+        return run_and_record(model, data, mode)
