@@ -236,4 +236,10 @@ def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
         data = {k: fake.from_tensor(v) for k, v in batch_for(batch, seq, padded, config.vocab_size).items()}
         if not padded:  # all ones: the real run reads it and drops it, which a fake tensor cannot be read for
             data["attention_mask"] = None
-        return run_and_record(model, data, mode)
+        if not decoder_layers(model):
+            raise ValueError(f"cannot trace {config.model_type!r}: it names no repeated layer class (_no_split_modules)")
+        try:
+            return run_and_record(model, data, mode)
+        except (RuntimeError, NotImplementedError) as err:  # an operator that needs data, or has no fake rule
+            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+            raise ValueError(f"cannot trace {config.model_type!r}: its forward fails on fake tensors ({first})") from err
