@@ -104,3 +104,23 @@ def test_an_untraceable_architecture_fails_in_one_line_naming_it():
     assert "cannot trace 't5'" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="precision must be one of"):
         trace.trace(CONFIGS["llama"](), BATCH, SEQ, mode="fp16")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_an_attention_implementation_asked_for_is_traced_as_it_runs(name):
+    """`eager` attention keeps the T x T scores (and their softmax) that SDPA's fused kernels do
+    not: the trace follows the implementation asked for, and still equals the real forward. With
+    attention dropout (GPT-2's default) SDPA on the CPU saves as much as eager."""
+    config = CONFIGS[name]()
+    torch.manual_seed(0)
+    model = trace.build(config, "fp32", attn_implementation="eager")
+    real = trace.run_and_record(model, trace.batch_for(BATCH, SEQ, True, config.vocab_size), "fp32")
+    eager = trace.trace(config, BATCH, SEQ, "fp32", True, attn_implementation="eager")
+    assert (eager.attn_implementation, eager.layers, eager.shared, eager.outside) == ("eager", real.layers, real.shared, real.outside)
+    # Asking for eager must not change what the config itself gets next time (from_config writes it there).
+    sdpa = trace.trace(config, BATCH, SEQ, "fp32", True)
+    assert sdpa.attn_implementation == "sdpa"
+    if name == "gpt2":  # attention dropout 0.1: on the CPU, SDPA takes its math path, which saves what eager saves
+        assert eager.layers == sdpa.layers
+    else:  # no dropout: SDPA's fused kernel keeps no T x T scores
+        assert eager.layers[0] > sdpa.layers[0]

@@ -41,6 +41,7 @@ What the real run does that a trace cannot know, we pin:
 Validated against a real CPU forward of tiny models in tests/test_trace.py.
 """
 
+import copy
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from unittest import mock
@@ -209,6 +210,7 @@ def build(config, mode: str = "fp32", attn_implementation: str | None = None):
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    config = copy.deepcopy(config)  # from_config writes the attention implementation into the config it gets
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "bf16" else torch.float32, **kwargs)
     return model.train()
 
