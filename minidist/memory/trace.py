@@ -34,7 +34,8 @@ What the real run does that a trace cannot know, we pin:
 - MoE routing depends on the data: transformers' grouped-matmul experts save tensors whose sizes
   depend only on tokens x top-k, not on which expert gets which token, so the trace is exact for
   them. (PyTorch's meta rule for `_grouped_mm` accepts bf16 only; in fp32 we take transformers'
-  own fallback op, which saves the same input and weight.)
+  own fallback op, which saves the same input and weight but not the groups' offsets: 4 bytes
+  per expert per sparse layer fewer than the real run.)
 - the device is the CPU: a GPU run may pick another SDPA kernel (flash saves no mask; memory-
   efficient attention with a mask saves it), which this trace does not model.
 
