@@ -61,6 +61,7 @@ class Trace:
     shared: int = 0  # saved by several layers (rotary cos/sin, the attention mask, position bias)
     outside: int = 0  # saved by no layer: embeddings, final norm, output layer, loss
     weight_copies: int = 0  # autocast's bf16 copies of the weights
+    layer_copies: list = field(default_factory=list)  # per decoder layer: the weight copies it made
     attn_implementation: str = ""
     storages: dict = field(default_factory=dict, repr=False)  # storage -> (bytes, owners)
 
@@ -136,12 +137,15 @@ class SavedByLayer:
 
     def result(self, attn_implementation: str = "") -> Trace:
         per_layer = [0] * len(self.layers)
-        out = Trace(per_layer, [layer_type(m) for m in self.layers], attn_implementation=attn_implementation)
+        out = Trace(per_layer, [layer_type(m) for m in self.layers], attn_implementation=attn_implementation,
+                    layer_copies=[0] * len(self.layers))
         for key, (nbytes, owners, copy) in self.storages.items():
             layers = owners - {-1}
             out.storages[key] = (nbytes, owners)
             if copy:
                 out.weight_copies += nbytes
+                if len(layers) == 1 and -1 not in owners:  # a layer's own weight, cast inside it
+                    out.layer_copies[next(iter(layers))] += nbytes
             elif len(layers) == 1 and -1 not in owners:
                 per_layer[next(iter(layers))] += nbytes
             elif layers:
@@ -206,13 +210,19 @@ def _as_the_real_run(padded: bool):
         yield
 
 
-def build(config, mode: str = "fp32", attn_implementation: str | None = None):
-    """The causal LM of `config`, as the run builds it (`models.load_model`), in training mode."""
-    from transformers import AutoModelForCausalLM
+def model_class(config):
+    """The whole model a config describes: an encoder-decoder (T5, BART) as one, with its LM head
+    (`AutoModelForCausalLM` would build BART's decoder alone), any other as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+
+
+def build(config, mode: str = "fp32", attn_implementation: str | None = None):
+    """The model of `config`, as the run builds it (`models.load_model`), in training mode."""
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     config = copy.deepcopy(config)  # from_config writes the attention implementation into the config it gets
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "bf16" else torch.float32, **kwargs)
+    model = model_class(config).from_config(config, dtype=torch.bfloat16 if mode == "bf16" else torch.float32, **kwargs)
     return model.train()
 
 
