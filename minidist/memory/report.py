@@ -9,7 +9,8 @@ DeepSpeed would say.
 import re
 from dataclasses import replace
 
-from minidist.memory.estimator import GB, Setup, Shape, as_dict, estimate, largest_batch, peak_moment, setup
+from minidist.memory.estimator import (GB, Setup, Shape, activations, as_dict, estimate, largest_batch, peak_moment,
+                                       setup)
 from minidist.parallel.options import STRATEGIES
 
 
@@ -52,13 +53,21 @@ def report(s: Shape, setup: Setup, gpu_memory: float | None = None) -> dict:
     """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say."""
     moment, alive = peak_moment(s, setup)
     result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
-              "exact": s.model_type == "llama", "setup": as_dict(setup), "bytes": estimate(s, setup),
+              "setup": as_dict(setup), "bytes": estimate(s, setup), "traced": _traced_as(s, setup),
               "peak_moment": moment, "alive_at_peak": alive}
     if gpu_memory is not None:
         result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
                       largest_batch_per_device=largest_batch(s, setup, gpu_memory))
     result["others"] = others(s, setup)
     return result
+
+
+def _traced_as(s: Shape, setup: Setup) -> str:
+    """How the activations were counted: the attention the trace ran, the layer types it found."""
+    acts = activations(s, setup)
+    kinds = ", ".join(f"{count} x {kind.split('(')[0]}" for kind, (count, _) in acts["types"].items())
+    seq2seq = "; an encoder-decoder: minidist.finetune does not train it" if s.is_encoder_decoder else ""
+    return f"activations traced on fake tensors: {acts['attention']} attention, layers {kinds}{seq2seq}"
 
 
 def _size(n: float, unit: str = "B") -> str:
@@ -71,8 +80,8 @@ def _size(n: float, unit: str = "B") -> str:
 
 def format_report(r: dict) -> str:
     u = r["setup"]
-    lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters"
-             + ("" if r["exact"] else " (activations approximate: not a Llama layer)"),
+    lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters",
+             f"({r['traced']})",
              f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), {u['mixed_precision']}, batch "
              f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")
