@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memory_workers import train_each
 from minidist import data
 from minidist.memory import __main__ as memory_command
-from minidist.memory import estimator, measure, report
+from minidist.memory import estimator, measure, report, trace
 from minidist.finetune import token_loss_sum
 from minidist.launch import launch
 from minidist.models import load_model, write_tiny_llama
@@ -335,7 +335,7 @@ def test_the_command_works_offline_from_the_bundled_config():
                    "--max_seq_length", "1024", "--gradient_checkpointing", "--gpu_memory", "80GB", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["num_params"] == 6_738_546_688 and result["fits"] and result["exact"]
+    assert result["num_params"] == 6_738_546_688 and result["fits"] and "32 x LlamaDecoderLayer" in result["traced"]
     assert result["bytes"]["peak"] > sum(result["bytes"][k] for k in ("parameters", "gradients", "optimizer_states"))
     assert result["others"]["deepspeed"] < result["bytes"]["peak"]  # model states only
 
@@ -365,3 +365,74 @@ def test_the_table_prints_every_term(capsys):
     for label in ("parameters", "gradients", "optimizer states", "gradient buckets", "activations saved",
                   "bf16 weight copies", "logits", "peak per rank", "fits in 80.00 GB: no"):
         assert label in out
+
+
+def family_configs():
+    """Tiny random configs of each family the estimator is checked on (tests/test_trace.py traces them too)."""
+    import transformers as T
+
+    small = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return {
+        "llama": T.LlamaConfig(**small, intermediate_size=128), "mistral": T.MistralConfig(**small, intermediate_size=128, sliding_window=16),
+        "qwen2": T.Qwen2Config(**small, intermediate_size=128), "qwen3": T.Qwen3Config(**small, intermediate_size=128, head_dim=16),
+        "gemma2": T.Gemma2Config(**small, intermediate_size=128, head_dim=16, sliding_window=16),
+        "phi3": T.Phi3Config(**small, intermediate_size=128, pad_token_id=0),
+        "mixtral": T.MixtralConfig(**small, intermediate_size=128, num_local_experts=4),
+        "gpt_neox": T.GPTNeoXConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+        "opt": T.OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                           word_embed_proj_dim=64, max_position_embeddings=128, pad_token_id=1, bos_token_id=2, eos_token_id=2),
+        "gpt2": T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0),
+        "t5": T.T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        "bart": T.BartConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128),
+    }
+
+
+def test_the_command_estimates_every_family_from_its_config_folder(tmp_path, capsys):
+    """`python -m minidist.memory FOLDER` on a config.json alone, for each family: a table whose
+    activations were traced, layer by layer; an encoder-decoder whole, with the line that the loop
+    does not train it. (Before the trace, T5 ended in transformers' list of 190 config classes and
+    BART was estimated as its decoder alone.)"""
+    for family, config in family_configs().items():
+        config.save_pretrained(tmp_path / family)
+        memory_command.main([str(tmp_path / family), "--strategy", "fsdp", "--world_size", "2", "--max_seq_length", "64"])
+        out = capsys.readouterr().out
+        assert "activations traced on fake tensors" in out and "peak per rank" in out, family
+        shape = estimator.model_shape(str(tmp_path / family))
+        assert shape.num_params == sum(p.numel() for p in trace.model_class(config).from_config(config).parameters()), family
+        assert ("encoder-decoder: minidist.finetune does not train it" in out) == (family in ("t5", "bart")), family
+    assert estimator.model_shape(str(tmp_path / "bart")).num_layers == 4  # both stacks, not the decoder alone
+
+
+def test_no_padding_drops_the_mask(tmp_path, capsys):
+    """Packed or unpadded batches (`--no_padding`): no attention mask is saved, so less than padded."""
+    family_configs()["llama"].save_pretrained(tmp_path)
+    argv = [str(tmp_path), "--max_seq_length", "256", "--batch_size_per_device", "4", "--json"]
+    memory_command.main(argv)
+    padded = json.loads(capsys.readouterr().out)["bytes"]["activations"]
+    memory_command.main(argv + ["--no_padding"])
+    unpadded = json.loads(capsys.readouterr().out)["bytes"]["activations"]
+    assert unpadded < padded
+    shape = estimator.model_shape(str(tmp_path))
+    assert unpadded == estimator.estimate(shape, estimator.setup(batch_size_per_device=4, max_seq_length=256, padded=False))["activations"]
+
+
+def test_an_untraceable_architecture_and_an_encoder_decoder_in_the_loop_end_in_one_line(tmp_path, capsys):
+    """CTRL names no repeated layer class, so nothing can say what a layer saves: one line, no
+    guess. The loop, given T5, says it trains causal LMs only, and where its memory can be estimated."""
+    import transformers as T
+
+    from minidist.models import build_chess_tokenizer
+
+    T.CTRLConfig(vocab_size=100, n_embd=32, n_layer=1, n_head=2, dff=64).save_pretrained(tmp_path / "ctrl")
+    with pytest.raises(SystemExit) as exit:
+        memory_command.main([str(tmp_path / "ctrl")])
+    assert exit.value.code == 2
+    assert "cannot trace 'ctrl': it names no repeated layer class" in capsys.readouterr().err.strip().splitlines()[-1]
+    t5 = family_configs()["t5"]
+    T.T5ForConditionalGeneration(t5).save_pretrained(tmp_path / "t5")
+    build_chess_tokenizer().save_pretrained(tmp_path / "t5")
+    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", str(tmp_path / "t5"), "--max_steps", "1",
+                           "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "is an encoder-decoder (t5); minidist.finetune trains causal" in done.stderr.strip().splitlines()[-1]
