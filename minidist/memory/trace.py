@@ -14,9 +14,12 @@ So here we ask the model itself:
    and precision (fp32; bf16 weights; autocast), with `torch.autograd.graph.saved_tensors_hooks`.
    The pack hook sees every tensor autograd saves. We count distinct storages (a view shares its
    base's storage, so it counts once), skip parameters and views of them (model states), and note
-   which decoder layer was running when each storage was saved.
+   which layer was running when each storage was saved. An encoder-decoder (T5, BART) runs
+   whole, its encoder's and decoder's blocks are its layers, and its loss is `seq2seq_loss_sum`.
 3. A storage saved by one layer only is that layer's. One saved by several (the rotary cos and
-   sin, the attention mask, T5's position bias) is *shared*. What no layer saved (embeddings,
+   sin, the attention mask, the encoder's output that every decoder block's cross-attention
+   reads) is *shared*. (T5's relative position bias is only added to the scores, never saved:
+   its first block keeps the T x T int64 bucket indices of the bias table's lookup.) What no layer saved (embeddings,
    final norm, the output layer's input, the loss's fp32 log-probabilities) is *outside*.
    Under autocast the bf16 copies of the weights are saved too; they are counted apart
    (`weight_copies`), as the estimator does.
@@ -30,7 +33,8 @@ What the real run does that a trace cannot know, we pin:
 - transformers treats fake tensors as "tracing" and then keeps the attention mask it could drop;
   for an unpadded batch we pass no mask and let its checks see no padding, no cache offset and no
   packed sequences, as the real run sees them, so it builds a mask only where one is needed (a sliding window shorter
-  than the batch);
+  than the batch); an encoder-decoder's decoder gets no mask (the labels' padding is -100), so
+  its causal mask is dropped too, padded or not;
 - MoE routing depends on the data: transformers' grouped-matmul experts save tensors whose sizes
   depend only on tokens x top-k, not on which expert gets which token, so the trace is exact for
   them. (PyTorch's meta rule for `_grouped_mm` accepts bf16 only; in fp32 we take transformers'
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 MODES = ("fp32", "bf16", "autocast")
 
@@ -56,9 +61,9 @@ MODES = ("fp32", "bf16", "autocast")
 class Trace:
     """Bytes saved for backward by one micro-batch, split by where they were saved."""
 
-    layers: list  # per decoder layer, in order: bytes that layer alone saved
+    layers: list  # per layer (an encoder-decoder's: encoder's, then decoder's), in order: bytes it alone saved
     layer_types: list  # per decoder layer: its type (see `layer_type`)
-    shared: int = 0  # saved by several layers (rotary cos/sin, the attention mask, position bias)
+    shared: int = 0  # saved by several layers (rotary cos/sin, the attention mask, the encoder's output)
     outside: int = 0  # saved by no layer: embeddings, final norm, output layer, loss
     weight_copies: int = 0  # autocast's bf16 copies of the weights
     layer_copies: list = field(default_factory=list)  # per decoder layer: the weight copies it made
@@ -172,34 +177,58 @@ class _Autocast:
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.mode == "autocast" else nullcontext()
 
 
-def batch_for(batch: int, seq: int, padded: bool, vocab_size: int, make=torch.randint) -> dict:
-    """A micro-batch as the loop builds it: the last sequence right-padded from half its length."""
+def batch_for(batch: int, seq: int, padded: bool, vocab_size: int, make=torch.randint,
+              target_seq: int | None = None) -> dict:
+    """A micro-batch as the loop builds it: the last sequence right-padded from half its length.
+    With `target_seq`, an encoder-decoder's: `seq` source tokens, and labels of `target_seq`
+    target tokens, the last target padded from half its length too (-100, which the loss skips)."""
     input_ids = make(0, vocab_size, (batch, seq))
     attention_mask = torch.ones_like(input_ids)
     if padded:
         attention_mask[-1, seq // 2:] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+    if target_seq is None:  # a causal LM: the labels are the input, shifted by the loss
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+    labels = make(0, vocab_size, (batch, target_seq))
+    if padded:
+        labels[-1, target_seq // 2:] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def seq2seq_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
+    """`finetune.token_loss_sum` for an encoder-decoder: the decoder reads the labels shifted right
+    (the model's own `prepare_decoder_input_ids_from_labels`: a start token, -100 as padding), so
+    logit t predicts label t, and no shift is left for the loss. The labels are not passed to the
+    model: it would also compute its own mean loss, which a loop that sums its loss throws away."""
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+    with strategy.autocast():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       decoder_input_ids=decoder_input_ids, use_cache=False).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the softmax in fp32 at least
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
 
 
 def run_and_record(model, batch: dict, mode: str) -> Trace:
     """Forward and the loop's loss under `SavedByLayer`: what a real (or fake) model saves."""
     from minidist.finetune import token_loss_sum
 
+    loss_sum = seq2seq_loss_sum if model.config.is_encoder_decoder else token_loss_sum
     with SavedByLayer(model) as seen:
-        loss = token_loss_sum(model, batch, _Autocast(mode))
+        loss = loss_sum(model, batch, _Autocast(mode))
     del loss
     return seen.result(model.config._attn_implementation)
 
 
 @contextmanager
-def _as_the_real_run(padded: bool):
+def _as_the_real_run(padded: bool, seq2seq: bool = False):
     """Make transformers take, on fake tensors, the paths it takes on real ones (module docstring)."""
     import transformers.integrations.moe as moe
     import transformers.masking_utils as masking
 
     with ExitStack() as stack:
-        if not padded:  # no padding, no cache: the real run drops the mask and lets SDPA be causal by itself
+        # No padding, no cache: the real run drops the causal mask and lets SDPA be causal by itself.
+        # An encoder-decoder's decoder is given no mask (BART then makes an all-ones one): never padded.
+        if not padded or seq2seq:
             ignore = masking._ignore_causal_mask_sdpa
             stack.enter_context(mock.patch.object(masking, "_ignore_causal_mask_sdpa", lambda padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None: ignore(None, q_length, kv_length, 0, 0, local_attention_size)))
             # and the positions are 0..T-1 in every row: not packed sequences (which need a mask)
@@ -227,12 +256,13 @@ def build(config, mode: str = "fp32", attn_implementation: str | None = None):
 
 
 def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
-          attn_implementation: str | None = None) -> Trace:
+          attn_implementation: str | None = None, target_seq: int | None = None) -> Trace:
     """What one micro-batch of `batch` x `seq` tokens saves for backward, traced on fake tensors.
 
     config: a transformers config (or a folder / hub name, read with `estimator.load_config`);
     mode: fp32, bf16 (bf16 weights) or autocast (bf16 matmuls over fp32 weights);
-    attn_implementation: None takes what transformers picks for the config, as the run does."""
+    attn_implementation: None takes what transformers picks for the config, as the run does;
+    target_seq: an encoder-decoder's target length (default `seq`); a causal LM has none."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from minidist.memory.estimator import load_config
@@ -240,19 +270,25 @@ def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
     if mode not in MODES:
         raise ValueError(f"the precision must be one of {', '.join(MODES)}, got {mode!r}")
     config = load_config(config) if isinstance(config, str) else config
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _as_the_real_run(padded):
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    if seq2seq and getattr(config, "decoder_start_token_id", None) is None:  # the labels shifted right start with it
+        raise ValueError(f"cannot trace {config.model_type!r}: its config names no decoder_start_token_id")
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _as_the_real_run(padded, seq2seq):
         try:
             model = build(config, mode, attn_implementation)
         except ValueError as err:
-            raise ValueError(f"cannot trace {config.model_type!r}: transformers builds no causal LM from it "
+            raise ValueError(f"cannot trace {config.model_type!r}: transformers builds no causal or seq2seq LM from it "
                              f"({str(err).strip().splitlines()[0][:120]})") from err
-        data = {k: fake.from_tensor(v) for k, v in batch_for(batch, seq, padded, config.vocab_size).items()}
+        target_seq = (target_seq or seq) if seq2seq else None
+        data = batch_for(batch, seq, padded, config.vocab_size, target_seq=target_seq)
+        data = {k: fake.from_tensor(v) for k, v in data.items()}
         if not padded:  # all ones: the real run reads it and drops it, which a fake tensor cannot be read for
             data["attention_mask"] = None
         if not decoder_layers(model):
             raise ValueError(f"cannot trace {config.model_type!r}: it names no repeated layer class (_no_split_modules)")
         try:
             return run_and_record(model, data, mode)
-        except (RuntimeError, NotImplementedError) as err:  # an operator that needs data, or has no fake rule
+        except (RuntimeError, NotImplementedError, ValueError) as err:  # an operator that needs data, or
+            # has no fake rule; or one of the model's own checks
             first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
             raise ValueError(f"cannot trace {config.model_type!r}: its forward fails on fake tensors ({first})") from err
