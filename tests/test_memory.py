@@ -382,7 +382,7 @@ def family_configs():
         "opt": T.OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
                            word_embed_proj_dim=64, max_position_embeddings=128, pad_token_id=1, bos_token_id=2, eos_token_id=2),
         "gpt2": T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0),
-        "t5": T.T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+        "t5": T.T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0),
         "bart": T.BartConfig(vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128),
     }

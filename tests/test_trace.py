@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers as T
 
-from minidist.memory import estimator, measure, trace
+from minidist.memory import estimator, llama_layer, measure, trace
 
 SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 CONFIGS = {
@@ -117,11 +117,11 @@ def test_the_attribution_adds_up_to_what_the_tracker_counts(name):
 
 @pytest.mark.parametrize("mode,padded", [("fp32", False), ("fp32", True), ("bf16", True), ("autocast", False)])
 def test_the_hand_derived_llama_layer_is_the_trace(tmp_path, mode, padded):
-    """The lesson's worked example (`estimator.layer_bytes_per_token`) equals the traced layer,
+    """The lesson's worked example (`llama_layer.layer_bytes_per_token`) equals the traced layer,
     grouped key/value heads included."""
     CONFIGS["llama"]().save_pretrained(tmp_path)
     shape = estimator.model_shape(str(tmp_path))
-    derived = estimator.layer_bytes_per_token(shape, mode, SEQ, padded) * BATCH * SEQ
+    derived = llama_layer.layer_bytes_per_token(shape, mode, SEQ, padded) * BATCH * SEQ
     assert set(traced("llama", mode, padded).layers) == {derived}
 
 

@@ -37,6 +37,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size_per_device", type=int, default=1)
     p.add_argument("--max_seq_length", type=int, default=512)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--target_length", type=int, default=0,
+                   help="an encoder-decoder's target tokens (T5, BART); by default as many as --max_seq_length")
     p.add_argument("--no_padding", dest="padded", action="store_false",
                    help="packed or unpadded batches: SDPA needs no mask (by default the loop's right-padded batches)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
@@ -49,7 +51,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
     with one_line_errors("minidist.memory", ValueError, NotImplementedError, FileNotFoundError):
-        sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend", "padded")
+        sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend", "padded",
+                 "target_length")
         setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
         estimator.check_setup(setup)

@@ -27,18 +27,18 @@ as `zero.py` does (a parameter larger than the cap alone). FSDP gathers the root
 layer wrap policy the one unit is the whole model. When each is alive: `moments.py`.
 
 **Activations**: what autograd saves for backward, traced rather than derived (`trace.py`): the
-model's own forward and the loop's loss run on fake tensors (shapes, no data) at batch 1 and 2,
-with saved-tensor hooks counting each storage once, per decoder layer, shared by several layers
-(rotary cos and sin, a mask), or outside them (embeddings, the head, the loss's fp32
-log-probabilities). Every term is affine in the batch (a mask per sequence, cos and sin once), so
-two traces give any batch. Layers of different types (Qwen2-MoE's sparse and dense, T5's encoder
-and decoder blocks) are counted each for itself. The attention kernel is the one the run takes
-(SDPA's fused kernels save no T x T scores). `llama_layer.py` derives a Llama layer by hand, the
-lesson's worked example, equal to the trace. Autocast also keeps a bf16 copy of each weight a
-matmul casts, until backward (`weight_copies`, traced too).
+model's own forward and the loop's loss run on fake tensors (shapes, no data) under saved-tensor
+hooks, each storage counted once, per decoder layer, shared by several layers (rotary cos and
+sin, a mask), or outside them (embeddings, the head, the loss's fp32 log-probabilities). Every
+term is affine in the batch, so traces at batch 1 and 2 give any batch. Layers of different types
+(Qwen2-MoE's sparse and dense, T5's encoder and decoder blocks) are each counted for themselves,
+with the attention kernel the run takes (SDPA's fused kernels save no T x T scores). Autocast's
+bf16 weight copies are traced too. `llama_layer.py` derives a Llama layer by hand, equal to the trace.
 
-**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps only each layer's input (r h per token per layer) and
-recomputes one layer at a time in backward, so one layer's activations come back for a moment.
+**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps
+only each layer's input (r h per token per layer; for an encoder-decoder, counted at the source's
+length for every layer) and recomputes one layer at a time in backward, so one layer's
+activations come back for a moment.
 
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
@@ -47,24 +47,25 @@ Not counted: the CUDA context, NCCL and the caching allocator's fragmentation; `
 80GB` (8e10 bytes) for an A100 that reports 85.1e9 leaves them about 5 GB.
 
 Tested against measurement (saved-tensor hooks, `measure.LiveTensors`) for Llama, Mistral, Qwen2,
-Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral, GPT-2 and T5 (tests/test_trace.py, test_memory.py).
-An architecture that cannot be traced ends in one ValueError naming it: there is no fallback.
+Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral, GPT-2, Qwen2-MoE, T5 and BART (tests/test_trace.py,
+test_memory.py). One that cannot be traced ends in one ValueError naming it: no fallback.
 """
 
-import math
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from minidist.memory import moments, trace
-from minidist.memory.llama_layer import layer_bytes_per_token  # noqa: F401 (the worked example)
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
-BUNDLED = {"codellama/CodeLlama-7b-hf": Path(__file__).parent.parent / "configs" / "codellama-7b"}
+CONFIGS = Path(__file__).parent.parent / "configs"
+# Configs shipped with minidist, so the estimates in the lessons work offline (lesson 00's t5-base question).
+BUNDLED = {"codellama/CodeLlama-7b-hf": CONFIGS / "codellama-7b", "google-t5/t5-base": CONFIGS / "t5-base"}
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class Setup:
     batch_size_per_device: int = 1
     max_seq_length: int = 512
     padded: bool = True  # right-padded batches: SDPA gets (and saves) a mask
+    target_length: int = 0  # an encoder-decoder's target tokens (0: as many as max_seq_length, the source)
     gradient_accumulation_steps: int = 1  # from the second micro-batch on, gradients are there in forward
     backend: str = "nccl"  # or "gloo" (CPU ranks), which copies what it reduce-scatters (moments.py)
 
@@ -197,16 +199,16 @@ def model_states(s: Shape, setup: Setup) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, batch: int) -> trace.Trace:
-    return trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded)
+def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, batch: int) -> trace.Trace:
+    return trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None)
 
 
-def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int) -> dict:
+def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0) -> dict:
     """The trace at any batch from two (batch 1 and 2): each term is a + b x (per sequence).
     Cached, so `largest_batch`'s dozen estimates cost two traces."""
     if s.config is None:
         raise ValueError(f"the shape of {s.name!r} carries no config to trace: build it with model_shape")
-    key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded)
+    key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded, target if s.is_encoder_decoder else 0)
     one, two = _traced(*key, 1), _traced(*key, 2)
     at = lambda a, b: a + (batch - 1) * (b - a)  # noqa: E731
     return {"layers": [at(a, b) for a, b in zip(one.layers, two.layers)], "shared": at(one.shared, two.shared),
@@ -220,7 +222,8 @@ def activations(s: Shape, setup: Setup) -> dict:
     mode, b, t = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
     r = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
     tokens = b * t
-    tr = traced(s, mode, t, setup.padded, b)
+    tr = traced(s, mode, t, setup.padded, b, setup.target_length)
+    targets = b * (setup.target_length or t) if s.is_encoder_decoder else tokens  # what the logits cover
     ckpt = setup.options.gradient_checkpointing
     # Checkpointing keeps each layer's input (its hidden states) and recomputes the rest in backward,
     # one layer at a time: that layer's activations, and under autocast its weight copies, again.
@@ -230,7 +233,7 @@ def activations(s: Shape, setup: Setup) -> dict:
     return {"saved": sum(kept) + tr["shared"] + tr["outside"], "per_layer": max(tr["layers"], default=0),
             "weight_copies": copies, "kept_by_layer": kept, "layer": max(kept, default=0),
             "recompute_by_layer": recompute, "recompute": max(recompute, default=0),
-            "logits": 8 * tokens * s.vocab_size, "types": tr["types"], "attention": tr["attention"]}
+            "logits": 8 * targets * s.vocab_size, "types": tr["types"], "attention": tr["attention"]}
 
 
 def buffers(s: Shape, setup: Setup) -> dict:
@@ -292,3 +295,5 @@ def check_setup(setup: Setup) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(setup, name)}")
     if setup.max_seq_length < 2:
         raise ValueError(f"--max_seq_length must be at least 2, got {setup.max_seq_length}")
+    if setup.target_length and setup.target_length < 2:
+        raise ValueError(f"--target_length must be at least 2, got {setup.target_length}")

@@ -1,6 +1,6 @@
 """Trace what a model saves for backward, instead of deriving it by hand, for any architecture.
 
-`estimator.layer_bytes_per_token` derives a Llama layer's saved activations by reading
+`llama_layer.layer_bytes_per_token` derives a Llama layer's saved activations by reading
 `modeling_llama.py` line by line. That is the lesson's worked example, but it does not scale: a
 Mistral, a GPT-NeoX or a Mixtral layer saves other tensors, and the attention kernel the run takes
 (SDPA's fused kernels save no T x T scores; `eager`, or SDPA with dropout, does) changes the sum.
