@@ -3,6 +3,7 @@
 - `estimator.py`: the estimate for any model, strategy and batch, from the config alone
   (the model is built on the meta device: no weights are read).
 - `measure.py`: what the training loop records each step, term by term, on every rank.
+- `timeline.py`: live bytes over one step, sampled (`MemoryTimeline`), and their figure.
 - `report.py`: the estimate as people read it: a table, a README table, other estimators' figures.
 - `__main__.py`: the command, `python -m minidist.memory MODEL --strategy fsdp --world_size 4 ...`.
 
