@@ -95,10 +95,11 @@ def draw(timelines: dict, png=None, title: str = "", scale: float = 1e6, unit: s
         ax.set_ylim(0, top * 1.2)
         ax.set_ylabel(f"{name}\n({unit})")
     axes[-1, 0].set_xlabel("fraction of the step (each strategy on its own step's time)")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", ncol=len(handles), fontsize=8)
+    handles, labels = axes[0, 0].get_legend_handles_labels()  # above the first row, below the title
+    axes[0, 0].legend(handles, labels, loc="lower left", bbox_to_anchor=(0, 1.02), ncol=len(handles), fontsize=8,
+                      frameon=False, borderaxespad=0)
     fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout()
     if png is not None:
         fig.savefig(png, dpi=100)
     return fig
