@@ -4,7 +4,7 @@ Tiny Llama configs (no weights: the tracer builds the model from the config), a 
 What must agree with `estimator.estimate` to the byte are the model states: MemTracker's
 "Parameter", "Gradient" and "Optstate" (which holds AdamW's multi-tensor temporary too, made
 inside `optimizer.step()`). The whole peak is compared where it falls in the optimizer step
-(exact but for a buffer and the input ids) and where it falls in backward (within the 5% the
+(exact but for the rotary buffer and the token positions) and where it falls in backward (within the 5% the
 estimate keeps to a measured step in tests/test_memory.py).
 """
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, T5Config
 
+from minidist.memory import __main__ as memory_command
 from minidist.memory import estimator, report, tracker
 
 
@@ -42,7 +43,7 @@ def test_ddp_step_is_the_estimate_without_ddps_buckets(llama):
     assert traced["Gradient"] == estimate["gradients"]
     assert traced["Optstate"] == estimate["optimizer_states"] + estimate["optimizer_step"]
     # A plain step has no DDP buckets (PyTorch's DDP makes them in C++, outside the tracker);
-    # what is left over is the rotary embedding's buffer and the input ids, under 2 kB.
+    # what is left over is the rotary embedding's buffer and the token positions, under 2 kB.
     assert 0 <= traced["peak"] - (estimate["peak"] - estimate["buckets"]) < 2048
     # Every rank of DDP runs the same step: one trace serves every world size.
     assert tracker.peak(llama, estimator.setup(strategy="ddp", impl="torch", world_size=8, batch_size_per_device=1,
@@ -77,7 +78,7 @@ def test_fsdp2_backward_peak_is_within_five_percent_and_fake_equals_real(llama):
     assert fake["peak"] == pytest.approx(estimator.estimate(shape, setup)["peak"], rel=0.05)
 
 
-def test_the_readme_table_and_the_report_carry_memtracker(llama):
+def test_the_readme_table_and_the_command_carry_memtracker(llama, capsys):
     shape = estimator.model_shape(llama)
     table = report.readme_table(shape, estimator.setup(max_seq_length=16), 8e10, world_sizes=(2,))
     header, _, *rows = table.splitlines()
@@ -86,9 +87,10 @@ def test_the_readme_table_and_the_report_carry_memtracker(llama):
     assert cells["minidist/zero1"] == cells["minidist/zero2"] == "-"  # minidist's own: nothing to trace
     for strategy in ("torch/ddp", "torch/fsdp"):
         assert cells[strategy].endswith(" GB") and cells[strategy] != "-"
-    setup = estimator.setup(strategy="ddp", impl="torch", batch_size_per_device=1, max_seq_length=16)
-    text = report.format_report(report.report(shape, setup))
-    assert "PyTorch's MemTracker" in text and "optstate" in text
+    assert report.report(shape, estimator.setup(strategy="ddp"))["others"]["memtracker"] is None  # not unless asked
+    memory_command.main([llama, "--strategy", "ddp", "--impl", "torch", "--max_seq_length", "16", "--memtracker"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("the whole step as PyTorch's MemTracker sees it") and "optstate" in last
 
 
 def test_a_trace_is_cached_per_setup(llama, monkeypatch):

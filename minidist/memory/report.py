@@ -15,7 +15,7 @@ from minidist.memory.estimator import GB, Setup, Shape, as_dict, estimate, large
 from minidist.parallel.options import STRATEGIES
 
 
-def others(s: Shape, setup: Setup, trace: bool = True) -> dict:
+def others(s: Shape, setup: Setup, trace: bool = False) -> dict:
     """What two popular estimators say for the same case (model states only, no activations), and
     what PyTorch's MemTracker measures on one step of the model traced under FakeTensorMode
     (`tracker.py`): the whole step's peak, or None where it does not apply (ZeRO-1/2, FSDP by
@@ -55,9 +55,10 @@ LABELS = {
 }
 
 
-def report(s: Shape, setup: Setup, gpu_memory: float | None = None, trace: bool = True) -> dict:
+def report(s: Shape, setup: Setup, gpu_memory: float | None = None, trace: bool = False) -> dict:
     """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say
-    (`trace`: with MemTracker's figure, which traces one step the first time: `tracker.py`)."""
+    (`trace`: with MemTracker's figure, which traces one step the first time per setup, seconds to
+    minutes: `tracker.py`; `--memtracker` on the command)."""
     moment, alive = peak_moment(s, setup)
     result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
               "exact": s.model_type == "llama", "setup": as_dict(setup), "bytes": estimate(s, setup),
