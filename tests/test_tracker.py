@@ -88,6 +88,9 @@ def test_the_readme_table_and_the_command_carry_memtracker(llama, capsys):
     memory_command.main([llama, "--strategy", "ddp", "--impl", "torch", "--max_seq_length", "16", "--memtracker"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("the whole step as PyTorch's MemTracker sees it") and "optstate" in last
+    memory_command.main([llama, "--strategy", "zero2", "--max_seq_length", "16", "--memtracker"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "PyTorch's MemTracker did not trace this step (minidist's own zero2: it traces DDP and PyTorch's FSDP)")
 
 
 def test_a_trace_is_cached_per_setup(llama, monkeypatch):

@@ -33,6 +33,8 @@ def others(s: Shape, setup: Setup, trace: bool = False) -> dict:
     deepspeed = {"zero2": 2 * p + 18 * p // n, "fsdp": 4 * s.largest_module_params + 18 * p // n}.get(setup.strategy)
     size = s.base_params * s.config_dtype_bytes
     traced = (tracker.peak(s.name, setup) if trace else None) or {}
+    if trace and not tracker.applies(setup):
+        traced = {"error": f"minidist's own {setup.strategy}: it traces DDP and PyTorch's FSDP"}
     return {"accelerate": (2 if setup.options.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed,
             "memtracker": traced.get("peak"), "memtracker_split": traced}
 
@@ -101,7 +103,7 @@ def format_report(r: dict) -> str:
         lines.append(f"the whole step as PyTorch's MemTracker sees it (traced under fake tensors): peak "
                      f"{_size(o['memtracker'])} ({split})")
     elif "error" in o["memtracker_split"]:
-        lines.append(f"PyTorch's MemTracker could not trace this model ({o['memtracker_split']['error']})")
+        lines.append(f"PyTorch's MemTracker did not trace this step ({o['memtracker_split']['error']})")
     return "\n".join(lines)
 
 

@@ -45,9 +45,10 @@ wraps the model, outside any tracker, and a plain step has none: 4 bytes per par
 MemTracker also keeps every module's own peak, updated after every operator for every module
 seen so far: quadratic in depth (65 s for CodeLlama-7b's DDP step here). Only the step's peak is
 read, so `_update_peak_stats` is cut to its last lines, the global peak (lines 520-523).
-A trace costs seconds for CodeLlama-7b's DDP step and tens of seconds for its FSDP step on a
-fake process group, so each (config, setup) is traced once and kept as JSON under the cache
-folder (`$MINIDIST_CACHE/memtracker`, as `--model tiny`'s).
+Even so, on a 2-core CPU machine shared with other work CodeLlama-7b's DDP step took 11 to 18 s
+to trace, its FSDP step on 4 fake ranks 25 to 60 s of wall time (a few runs each, batch 1 to 16),
+so each (config, setup) is traced once and kept as JSON under the cache folder
+(`$MINIDIST_CACHE/memtracker`, as `--model tiny`'s), and the command traces only when asked.
 """
 
 import hashlib
