@@ -40,7 +40,9 @@ What MemTracker counts, read in torch 2.13's `torch/distributed/_tools/mem_track
   with real tensors (tests/test_tracker.py checks one FSDP case against a real run).
 What it misses for this comparison: PyTorch's DDP allocates its gradient buckets in C++ when it
 wraps the model, outside any tracker, and a plain step has none: 4 bytes per parameter that
-`estimator.py` counts and the DDP trace does not.
+`estimator.py` counts and the DDP trace does not. And the trace runs on the CPU device: autocast
+is the CPU's (its bf16 and fp32 op lists are not CUDA's in every op) and SDPA picks its CPU
+kernel, so a GPU step's activations may differ a little from the traced ones.
 
 MemTracker also keeps every module's own peak, updated after every operator for every module
 seen so far: quadratic in depth (65 s for CodeLlama-7b's DDP step here). Only the step's peak is
@@ -48,7 +50,8 @@ read, so `_update_peak_stats` is cut to its last lines, the global peak (lines 5
 Even so, on a 2-core CPU machine shared with other work CodeLlama-7b's DDP step took 11 to 18 s
 to trace, its FSDP step on 4 fake ranks 25 to 60 s of wall time (a few runs each, batch 1 to 16),
 so each (config, setup) is traced once and kept as JSON under the cache folder
-(`$MINIDIST_CACHE/memtracker`, as `--model tiny`'s), and the command traces only when asked.
+(`$MINIDIST_CACHE/memtracker`, as `--model tiny`'s), and the command traces only when asked
+(`--memtracker`; `--readme_table` always does).
 """
 
 import hashlib
