@@ -17,7 +17,9 @@ early would leave the others waiting forever.
     python -m minidist.evaluate --model runs/laptop/model --data minidist/games/test.jsonl
 """
 
+import math
 import random
+import statistics
 
 import chess
 import torch
@@ -136,6 +138,30 @@ def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_s
         dist.all_reduce(counts)
     legal, total = counts.tolist()
     return {"legal_move_rate": legal / max(total, 1), "legal": legal, "total": total, "samples": samples}
+
+
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval for a rate measured as `successes` out of `trials`.
+
+    A legal-move rate is a count out of n prefixes, so it carries sampling error: at n = 200 and
+    a rate near 25%, the 95% interval is about 20-32%, wide enough that two runs (or two
+    implementations) a few points apart cannot be ranked. Wilson's interval (Wilson 1927, "Probable
+    inference, the law of succession, and statistical inference"; recommended over the textbook
+    p +- z sqrt(p(1-p)/n) by Newcombe 1998, "Two-sided confidence intervals for the single
+    proportion", and Brown, Cai and DasGupta 2001) inverts the normal test around the unknown
+    rate instead of the measured one, so it stays inside [0, 1] and does not collapse to a point
+    at 0 of n or n of n. Returns (low, high) as fractions."""
+    if not (isinstance(trials, int) and trials >= 1):
+        raise ValueError(f"a rate needs at least one trial, got trials={trials!r}")
+    if not (isinstance(successes, int) and 0 <= successes <= trials):
+        raise ValueError(f"successes must be a whole number from 0 to trials={trials}, got {successes!r}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be between 0 and 1 (0.95 for 95%), got {confidence!r}")
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)  # 1.96 for 95%
+    p, n = successes / trials, trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def main(argv=None) -> None:

@@ -6,15 +6,18 @@ minidist: `train` runs the real training loop, `minidist.finetune.train`, with t
 learner would type; `backward_timeline` runs the loop's own pieces (`get_strategy`, `wrap`,
 `token_loss_sum`) one step at a time, and only *watches* them: it notes when each gradient is
 ready and when each all-reduce starts and finishes (and, for the bucketed DDP, which bucket it
-carries), without changing what is computed or sent.
+carries), without changing what is computed or sent, and records one step of each under
+`torch.profiler`.
 """
 
 import contextlib
 import time
 
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from minidist import data, finetune, models
+from minidist.bench import timeline
 from minidist.distributed import init_distributed
 from minidist.parallel import comm
 from minidist.parallel.options import ParallelOptions
@@ -70,31 +73,37 @@ def bucket_launches(calls: list, buffers: list[int]) -> list[tuple[str, int, flo
 
 
 def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batch: int, seq_len: int,
-                      steps: int) -> dict:
-    """For the naive and the bucketed DDP: time one training step's forward, backward and
-    all-reduces on this rank, and return the last step's events (seconds from forward's start).
+                      steps: int, warmup: int = 2, trace_dir: str | None = None) -> dict:
+    """For the naive and the bucketed DDP: time each training step's forward, backward and
+    all-reduces on this rank, and return every timed step's figures and the last step's events
+    (seconds from forward's start).
 
-    The first steps are warm-up (and the bucketed DDP re-packs its buckets after its first
-    backward, in the order the gradients really came)."""
+    The two variants take turns, step by step (naive, bucketed, naive, ...), each its own model
+    from the same weights, so a slow moment of a shared machine hits both alike. The first
+    `warmup` steps of each are not kept (and the bucketed DDP re-packs its buckets after its
+    first backward, in the order the gradients really came). With `trace_dir`, one more step of
+    each runs under `torch.profiler` and rank 0 writes its Chrome trace there."""
     env = init_distributed()
     _setup_rank()
     tokenizer = models.load_tokenizer(model_dir)
     sequences = data.tokenize_games(data.load_games(data_path), tokenizer, seq_len)
     sampler = data.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
-    out = {}
+    variants = {}
     for variant in ("naive", "bucketed"):
         options = ParallelOptions(strategy="ddp", impl="minidist", ddp_variant=variant, bucket_cap_mb=bucket_cap_mb)
         strategy = get_strategy(options, env)
         model = models.load_model(model_dir)
         ready = {}  # parameter -> when autograd finished its gradient (hooks registered before DDP's run first)
         for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _, name=name: ready.__setitem__(name, time.perf_counter()))
+            p.register_post_accumulate_grad_hook(lambda _, name=name, ready=ready: ready.__setitem__(name, time.perf_counter()))
         model = strategy.wrap(model)
-        optimizer = strategy.build_optimizer(model, lr=1e-3)
-        for step in range(steps):
-            ids, = sampler.micro_batches(step, env.rank, env.world_size, batch)
-            micro = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
-            num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))
+        variants[variant] = (strategy, model, strategy.build_optimizer(model, lr=1e-3), ready)
+    out = {v: {"steps": []} for v in variants}
+    for step in range(warmup + steps):
+        ids, = sampler.micro_batches(step, env.rank, env.world_size, batch)
+        micro = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+        num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))
+        for variant, (strategy, model, optimizer, ready) in variants.items():
             calls = []
             # The buckets this backward fills (the bucketed DDP re-packs them after its first one).
             buffers = [b.buffer.data_ptr() for b in getattr(model, "buckets", [])]
@@ -107,16 +116,37 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
                 t2 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        rel = lambda t: t - t0  # noqa: E731
-        out[variant] = {
-            "forward": (0.0, rel(t1)),
-            "backward": (rel(t1), rel(t2)),
-            "last_gradient": rel(max(ready.values())),  # after this, backward only waits for the network
-            "all_reduces": [(rel(c["start"]), rel(c["finish"]), c["bytes"]) for c in calls],
-            "timeline": [(e, b, rel(t)) for e, b, t in bucket_launches(calls, buffers)] if buffers else [],
-            "buckets": [sum(p.numel() * p.element_size() for p in b.params) for b in getattr(model, "buckets", [])],
-            "num_params": len(model.params),
-        }
+            if step < warmup:
+                continue
+            rel = lambda t: t - t0  # noqa: E731
+            last = rel(max(ready.values()))  # after this, backward only waits for the network
+            out[variant]["steps"].append({"backward": t2 - t1, "waited": rel(t2) - last,
+                                          "launched_before_last": sum(rel(c["start"]) < last for c in calls),
+                                          "all_reduces": len(calls)})
+            out[variant].update({
+                "forward": (0.0, rel(t1)),
+                "backward": (rel(t1), rel(t2)),
+                "last_gradient": last,
+                "all_reduces": [(rel(c["start"]), rel(c["finish"]), c["bytes"]) for c in calls],
+                "timeline": [(e, b, rel(t)) for e, b, t in bucket_launches(calls, buffers)] if buffers else [],
+                "buckets": [sum(p.numel() * p.element_size() for p in b.params) for b in getattr(model, "buckets", [])],
+                "num_params": len(model.params),
+            })
+    if trace_dir is not None:
+        for variant, (strategy, model, optimizer, _) in variants.items():
+            def step():
+                with record_function("forward"):
+                    loss = finetune.token_loss_sum(model, micro, strategy) * env.world_size / num_targets
+                with record_function("backward"):
+                    loss.backward()
+                with record_function("optimizer step"):
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            if env.rank == 0:
+                out[variant]["trace"] = str(timeline.record(step, env.device, f"{trace_dir}/02_{variant}_ddp.json"))
+            else:
+                step()  # the same step, unrecorded: rank 0's all-reduces need a partner
     return out
 
 

@@ -8,7 +8,9 @@ each rank holds (`minidist.memory.measure.model_state_bytes`), the bytes it send
 read through `strategy.take_comm_bytes()`), and, for FSDP, when each unit is gathered and freed.
 
 One launch runs several strategies one after the other in the same ranks: starting processes and
-importing transformers costs more on 2 cores than a few steps of a tiny model.
+importing transformers costs more on 2 cores than a few steps of a tiny model. `lesson` adds, in
+the same launch, lesson 04's `side_by_side`: a memory timeline per strategy, timing rounds, and
+a profiler trace of FSDP's prefetch.
 """
 
 import time
@@ -94,3 +96,15 @@ def run(model_dir, variants, steps=2, batch_size_per_device=2, seq_len=64, lr=1e
                 units=[type(u.module).__name__ for u in model.units],
                 unit_numel=[u.layout.padded_numel for u in model.units])
     return results
+
+
+def lesson(model_dir: str, variants: list[dict], steps: int, side: dict | None = None) -> dict:
+    """One launch for both parts of the notebook: `run`, and (if asked) lesson 04's
+    `side_by_side` (the memory timeline of one step per strategy, alternating timing rounds and
+    a profiler trace of FSDP's prefetch), on the bundled games, with the arguments in `side`."""
+    import workers_04
+
+    out = {"run": run(model_dir, variants, steps=steps)}
+    if side:
+        out["side"] = workers_04.side_by_side(model_dir, str(data.bundled_games("train")), **side)
+    return out

@@ -8,10 +8,13 @@ what that loop wrote to `metrics.jsonl`: per step, the loss, `step_time_s`, and 
 (the saved-activation peak that `minidist.memory.measure` counts through saved-tensor hooks, and
 the model states), each as a list by rank.
 
-One launch runs every configuration one after the other in the same ranks: starting processes and
-importing transformers costs more on 2 cores than a few steps of a tiny model.
+One launch runs every configuration in the same ranks: starting processes and importing
+transformers costs more on 2 cores than a few steps of a tiny model. The configurations take
+turns, round after round (`in_rounds`), so that a slow minute on a shared machine hurts all of
+them alike instead of whichever happened to run then; `median_spread` summarises the step times.
 """
 
+import statistics
 import time
 
 from minidist import finetune
@@ -32,23 +35,51 @@ def _cpu_timed(train_step, seconds: list):
     return timed
 
 
-def train_and_measure(model_dir: str, data: str, runs: list[dict], steps: int, seq_len: int) -> list[dict]:
-    """Train once per entry of `runs` (finetune flags as a dict), one after the other in the same
-    ranks; return, per run, the flags, the records of `metrics.jsonl` (on rank 0; [] elsewhere) and
-    this rank's CPU seconds in each step's forward and backward (`cpu_s`).
-
-    Every run starts from the same weights and, for a given batch size, sees the same batches (the
-    data order depends on the seed alone), so with and without checkpointing the losses must agree."""
-    training.share_cores()  # else the step times would measure the contention, not the recomputation
-    common = ["--model", model_dir, "--data", data, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
-              "--warmup_steps", "1", "--eval_prefixes", "0", "--no_save"]
-    results = []
-    for run in runs:
-        cpu_s, train_step = [], finetune.train_step
-        finetune.train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
-        try:
-            done = training.run([*common, *training.as_flags(run)])
-        finally:
-            finetune.train_step = train_step
-        results.append({"run": run, "records": done["records"], "cpu_s": cpu_s, "log": done["log"]})
+def in_rounds(runs: dict, rounds: int, steps: int, common: list[str]) -> dict:
+    """Run the training script `rounds` times over every entry of `runs` (name -> extra flags), in
+    turn: round 1 runs each configuration for `steps` steps, then round 2 does it again, and so
+    on. Returns, by name, one dict per round: the records of `metrics.jsonl` (rank 0's; [] on the
+    others), this rank's CPU seconds in each step's forward and backward (`cpu_s`), and the
+    loop's log. Each round is a fresh run from the same weights and batches (the data order
+    depends on the seed alone), so its first step pays the warm-up again: `median_spread`
+    leaves it out."""
+    training.share_cores()  # else the step times would measure the contention between ranks
+    results = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, extra in runs.items():
+            cpu_s, train_step = [], finetune.train_step
+            finetune.train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
+            try:
+                done = training.run([*common, *extra, "--max_steps", str(steps), "--no_save"])
+            finally:
+                finetune.train_step = train_step
+            results[name].append({"records": done["records"], "cpu_s": cpu_s, "log": done["log"]})
     return results
+
+
+def median_spread(per_round: list[list[float]]) -> tuple[float, float, float]:
+    """(median, first quartile, third quartile) of the timed steps of every round, the first step
+    of each round left out (it allocates memory and fills caches). The quartiles are the spread:
+    half the steps fall between them."""
+    values = [t for times in per_round for t in (times[1:] or times)]
+    if len(values) < 2:  # the small configuration times a single step: no spread to speak of
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return median, q1, q3
+
+
+def train_and_measure(model_dir: str, data: str, runs: list[dict], rounds: int, steps: int, seq_len: int) -> list[dict]:
+    """Train every entry of `runs` (finetune flags as a dict) for `steps` steps, in turn, `rounds`
+    times (`in_rounds`); return, per entry, the flags, the rounds' records of `metrics.jsonl` (on
+    rank 0; [] elsewhere), their step times (`step_s`, wall) and this rank's CPU seconds in each
+    step's forward and backward (`cpu_s`), one list per round.
+
+    Every run starts from the same weights and, for a given batch size, sees the same batches, so
+    with and without checkpointing the losses must agree."""
+    common = ["--model", model_dir, "--data", data, "--max_seq_length", str(seq_len),
+              "--warmup_steps", "1", "--eval_prefixes", "0"]
+    named = {str(i): training.as_flags(run) for i, run in enumerate(runs)}
+    done = in_rounds(named, rounds, steps, common)
+    return [{"run": run, "records": [r["records"] for r in done[str(i)]],
+             "step_s": [[rec["step_time_s"] for rec in r["records"]] for r in done[str(i)]],
+             "cpu_s": [r["cpu_s"] for r in done[str(i)]]} for i, run in enumerate(runs)]

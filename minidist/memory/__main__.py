@@ -45,7 +45,11 @@ def main(argv=None) -> None:
                    help="gloo (CPU ranks) copies what FSDP2 and ZeRO-1 reduce-scatter; nccl (GPUs) does not")
     p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
+    p.add_argument("--readme_table", action="store_true",
+                   help="markdown: every strategy on 1, 4, 8 GPUs, with PyTorch's MemTracker beside the estimate")
+    p.add_argument("--memtracker", action="store_true",
+                   help="also trace one step with PyTorch's MemTracker under fake tensors (memory/tracker.py): "
+                        "seconds to minutes the first time per setup, then cached")
     ParallelOptions.add_arguments(p)  # the loop's own flags: --strategy, --impl, --mixed_precision, ...
     p.set_defaults(mixed_precision="bf16")  # as on the GPUs (finetune's default is fp32)
     args = p.parse_args(argv)
@@ -63,7 +67,7 @@ def main(argv=None) -> None:
         if args.readme_table:
             print(report.readme_table(shape, setup, gpu_memory))
             return
-        r = report.report(shape, setup, gpu_memory)
+        r = report.report(shape, setup, gpu_memory, trace=args.memtracker)
     print(json.dumps(r, indent=1) if args.json else report.format_report(r))
 
 
