@@ -259,17 +259,14 @@ def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
           attn_implementation: str | None = None, target_seq: int | None = None) -> Trace:
     """What one micro-batch of `batch` x `seq` tokens saves for backward, traced on fake tensors.
 
-    config: a transformers config (or a folder / hub name, read with `estimator.load_config`);
+    config: a transformers config (`estimator.load_config` reads one from a folder or hub name);
     mode: fp32, bf16 (bf16 weights) or autocast (bf16 matmuls over fp32 weights);
     attn_implementation: None takes what transformers picks for the config, as the run does;
     target_seq: an encoder-decoder's target length (default `seq`); a causal LM has none."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from minidist.memory.estimator import load_config
-
     if mode not in MODES:
         raise ValueError(f"the precision must be one of {', '.join(MODES)}, got {mode!r}")
-    config = load_config(config) if isinstance(config, str) else config
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     if seq2seq and getattr(config, "decoder_start_token_id", None) is None:  # the labels shifted right start with it
         raise ValueError(f"cannot trace {config.model_type!r}: its config names no decoder_start_token_id")
