@@ -76,7 +76,9 @@ def report(s: Shape, setup: Setup, gpu_memory: float | None = None, trace: bool 
 def _traced_as(s: Shape, setup: Setup) -> str:
     """How the activations were counted: the attention the trace ran, the layer types it found."""
     acts = activations(s, setup)
-    kinds = ", ".join(f"{count} x {kind.split('(')[0]}" for kind, (count, _) in acts["types"].items())
+    names = [kind.split("(")[0] for kind in acts["types"]]  # the class and attention variant; numbered where they repeat
+    names = [f"{n} (type {i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    kinds = ", ".join(f"{count} x {name}" for name, (count, _) in zip(names, acts["types"].values()))
     seq2seq = "; an encoder-decoder: minidist.finetune does not train it" if s.is_encoder_decoder else ""
     return f"activations traced on fake tensors: {acts['attention']} attention, layers {kinds}{seq2seq}"
 
