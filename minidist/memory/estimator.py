@@ -98,12 +98,12 @@ class Shape:
 
 def load_config(name_or_path: str):
     """A config from a local folder, the bundled copy of a known hub model, or the hub."""
-    from transformers import AutoConfig
+    from minidist import models
 
     path = Path(name_or_path).expanduser()
     source = path if (path / "config.json").exists() else BUNDLED.get(name_or_path, name_or_path)
     try:
-        return AutoConfig.from_pretrained(source)
+        return models.load_config(str(source))  # a cached hub name without the hub: the cache alone, at once
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(f"could not read the config of {name_or_path!r} ({first}): pass a folder with a "
