@@ -436,3 +436,16 @@ def test_an_untraceable_architecture_and_an_encoder_decoder_in_the_loop_end_in_o
                            "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "is an encoder-decoder (t5); minidist.finetune trains causal" in done.stderr.strip().splitlines()[-1]
+
+
+def test_a_trace_is_kept_on_disk_for_the_next_process(tmp_path, monkeypatch):
+    """The lessons and tests estimate CodeLlama-7b in many processes: each trace (batch 1 and 2)
+    is computed once and read back from `$MINIDIST_CACHE/trace` (`cache.py`)."""
+    monkeypatch.setenv("MINIDIST_CACHE", str(tmp_path))
+    family_configs()["llama"].save_pretrained(tmp_path / "llama")
+    shape, setup = estimator.model_shape(str(tmp_path / "llama")), estimator.setup(batch_size_per_device=3, max_seq_length=64)
+    first = estimator.estimate(shape, setup)
+    assert len(list((tmp_path / "trace").glob("*.json"))) == 2
+    estimator._traced.cache_clear()  # as a new process would start
+    monkeypatch.setattr(trace, "trace", lambda *args, **kwargs: pytest.fail("traced again"))
+    assert estimator.estimate(shape, setup) == first

@@ -20,25 +20,22 @@ What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradi
 (ZeRO-3) also the parameters. FSDP2 shards each tensor on dim 0 (ceil(rows/N) rows, padded).
 
 **Buffers and gathered units.** A bucketed DDP (PyTorch's) allocates buckets for every gradient
-when it wraps the model: a second copy of the gradients, 4P (`ddp.py`'s gradients become views
-of its buckets, as with PyTorch's `gradient_as_bucket_view=True`). ZeRO packs its flat buckets
-as `zero.py` does (a parameter larger than the cap alone). FSDP gathers the root unit
-(embeddings, final norm, output layer) and a layer with the next one prefetched; without the
+when it wraps the model, 4P (`ddp.py`'s gradients become views of its buckets, as with PyTorch's
+`gradient_as_bucket_view=True`). ZeRO packs flat buckets as `zero.py` does. FSDP gathers the root
+unit (embeddings, final norm, output layer) and a layer with the next one prefetched; without the
 layer wrap policy the one unit is the whole model. When each is alive: `moments.py`.
 
-**Activations**: what autograd saves for backward, traced rather than derived (`trace.py`): the
-model's own forward and the loop's loss run on fake tensors (shapes, no data) under saved-tensor
-hooks, each storage counted once, per decoder layer, shared by several layers (rotary cos and
-sin, a mask), or outside them (embeddings, the head, the loss's fp32 log-probabilities). Every
-term is affine in the batch, so traces at batch 1 and 2 give any batch. Layers of different types
-(Qwen2-MoE's sparse and dense, T5's encoder and decoder blocks) are each counted for themselves,
-with the attention kernel the run takes (SDPA's fused kernels save no T x T scores). Autocast's
-bf16 weight copies are traced too. `llama_layer.py` derives a Llama layer by hand, equal to the trace.
+**Activations**: what autograd saves for backward, traced, not derived (`trace.py`): the model's
+forward and the loop's loss on fake tensors (shapes, no data) under saved-tensor hooks, each
+storage once, per decoder layer, shared by layers (rotary cos and sin, a mask), or outside them
+(embeddings, head, the loss's fp32 log-probabilities), with the attention kernel the run takes.
+Each term is affine in the batch: traces at batch 1 and 2 give any batch. Layers of different
+types (MoE's sparse and dense, T5's encoder and decoder blocks) count each for itself; autocast's
+bf16 weight copies too. `llama_layer.py` derives a Llama layer by hand, equal to the trace.
 
-**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps
-only each layer's input (r h per token per layer; for an encoder-decoder, counted at the source's
-length for every layer) and recomputes one layer at a time in backward, so one layer's
-activations come back for a moment.
+**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps each
+layer's input only (r h per token per layer; an encoder-decoder's at the source's length) and
+recomputes one layer at a time in backward: one layer's activations come back for a moment.
 
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
@@ -46,9 +43,8 @@ falls and what is alive then; the terms above are each one's own size, not all a
 Not counted: the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory
 80GB` (8e10 bytes) for an A100 that reports 85.1e9 leaves them about 5 GB.
 
-Tested against measurement (saved-tensor hooks, `measure.LiveTensors`) for Llama, Mistral, Qwen2,
-Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral, GPT-2, Qwen2-MoE, T5 and BART (tests/test_trace.py,
-test_memory.py). One that cannot be traced ends in one ValueError naming it: no fallback.
+Tested against measurement for Llama, Mistral, Qwen2, Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral,
+GPT-2, Qwen2-MoE, T5, BART (test_trace.py, test_memory.py); an untraceable one: a ValueError naming it.
 """
 
 import functools
@@ -59,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.memory import moments, trace
+from minidist.memory import cache, moments, trace
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
@@ -200,7 +196,12 @@ def model_states(s: Shape, setup: Setup) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, batch: int) -> trace.Trace:
-    return trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None)
+    """One trace, kept on disk (`cache.py`): lessons and tests estimate CodeLlama-7b in many processes."""
+    def run():
+        t = trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None)
+        return {f.name: getattr(t, f.name) for f in fields(t) if f.name != "storages"}
+    key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch)
+    return trace.Trace(**cache.cached("trace", key, run))
 
 
 def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0) -> dict:
@@ -210,11 +211,11 @@ def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int 
         raise ValueError(f"the shape of {s.name!r} carries no config to trace: build it with model_shape")
     key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded, target if s.is_encoder_decoder else 0)
     one, two = _traced(*key, 1), _traced(*key, 2)
-    at = lambda a, b: a + (batch - 1) * (b - a)  # noqa: E731
-    return {"layers": [at(a, b) for a, b in zip(one.layers, two.layers)], "shared": at(one.shared, two.shared),
-            "outside": at(one.outside, two.outside), "weight_copies": at(one.weight_copies, two.weight_copies),
-            "layer_copies": [at(a, b) for a, b in zip(one.layer_copies, two.layer_copies)],
-            "types": one.types, "attention": one.attn_implementation}
+
+    def at(a, b):  # term by term, at this batch
+        return [at(x, y) for x, y in zip(a, b)] if isinstance(a, list) else a + (batch - 1) * (b - a)
+    terms = ("layers", "shared", "outside", "weight_copies", "layer_copies")
+    return {**{k: at(getattr(one, k), getattr(two, k)) for k in terms}, "types": one.types, "attention": one.attn_implementation}
 
 
 def activations(s: Shape, setup: Setup) -> dict:

@@ -54,18 +54,16 @@ so each (config, setup) is traced once and kept as JSON under the cache folder
 (`--memtracker`; `--readme_table` always does).
 """
 
-import hashlib
 import json
-import os
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from functools import lru_cache
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from minidist.memory import cache
 from minidist.memory.estimator import Setup, as_dict, load_config
 
 
@@ -93,28 +91,8 @@ def peak(source: str, setup: Setup) -> dict | None:
 
 @lru_cache(maxsize=None)
 def _cached(source: str, setup: Setup) -> tuple:
-    config = load_config(source).to_dict()
-    key = json.dumps({"config": config, "setup": as_dict(setup), "torch": torch.__version__,
-                      "transformers": _transformers_version(), "format": 1}, sort_keys=True, default=str)
-    path = _cache_root() / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    if path.exists():
-        return tuple(json.loads(path.read_text()).items())
-    result = trace(source, setup)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # another process may write the same trace
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
-    return tuple(result.items())
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("MINIDIST_CACHE", Path.home() / ".cache" / "minidist")) / "memtracker"
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
+    key = {"config": load_config(source).to_dict(), "setup": as_dict(setup), "format": 1}
+    return tuple(cache.cached("memtracker", key, lambda: trace(source, setup)).items())
 
 
 def trace(source: str, setup: Setup, fake: bool = True) -> dict:
