@@ -28,9 +28,9 @@ def saved_dtype(choice: str, name_or_path: str) -> torch.dtype:
     """The dtype to write: `fp32`, `bf16`, or `auto` (the one the model's config names; see above)."""
     if choice != "auto":
         return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
-    from transformers import AutoConfig
+    from minidist.models import load_config
 
-    named = getattr(AutoConfig.from_pretrained(name_or_path), "dtype", None)
+    named = getattr(load_config(name_or_path), "dtype", None)
     named = getattr(torch, named, None) if isinstance(named, str) else named
     return named if isinstance(named, torch.dtype) else torch.float32
 

@@ -60,6 +60,9 @@ def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | 
     except (StrictDataclassError, ValueError) as err:
         raise ValueError(f"the config of {str(folder)!r} cannot be a model ({reason(err)}): fix its config.json") from err
     check_config(config, str(folder))
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART: AutoModelForCausalLM would build half, or nothing
+        raise ValueError(f"{str(folder)!r} is an encoder-decoder ({config.model_type}); minidist.finetune trains causal "
+                         f"(decoder-only) language models. Its memory can be estimated: python -m minidist.memory {folder}")
     positions = getattr(config, "max_position_embeddings", None)
     if max_seq_length and positions and max_seq_length > positions:
         raise ValueError(f"--max_seq_length {max_seq_length} is longer than the {positions} positions of {str(folder)!r}: "

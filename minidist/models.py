@@ -202,6 +202,14 @@ def _from_pretrained(auto_class, name_or_path: str, **kwargs):
         ) from err
 
 
+def load_config(name_or_path: str):
+    """The model's config (`AutoConfig`), through the same door: a cached hub name is read from the
+    cache alone when the hub is out of reach, instead of after ~25 s of retries."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, name_or_path)
+
+
 def load_tokenizer(name_or_path: str):
     """Load a tokenizer; give it a pad token if it has none (Llama's has none: reuse unk or eos)."""
     from transformers import AutoTokenizer

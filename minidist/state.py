@@ -63,9 +63,9 @@ CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "
 
 def model_fingerprint(name_or_path: str) -> dict:
     """The parts of a model's config that fix its weights' shapes: cheap, read before loading it."""
-    from transformers import AutoConfig
+    from minidist.models import load_config
 
-    config = AutoConfig.from_pretrained(name_or_path).to_dict()
+    config = load_config(name_or_path).to_dict()
     return {key: config.get(key) for key in CONFIG_KEYS}
 
 

@@ -63,16 +63,23 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 export GPUS_PER_NODE
 WORLD_SIZE=$((${SLURM_NNODES:-1} * GPUS_PER_NODE))
 
+# chess_finetune.sh reaches TOTAL_BATCH_SIZE by accumulating micro-batches, and the gradients kept
+# between them count: the same steps here (a size it refuses, it says why once it starts).
+TOTAL=${TOTAL_BATCH_SIZE:-32}
+ACCUMULATION=1
+if [[ $TOTAL =~ ^[0-9]+$ && $BATCH_SIZE_PER_DEVICE =~ ^[1-9][0-9]*$ ]] && (( TOTAL % (WORLD_SIZE * BATCH_SIZE_PER_DEVICE) == 0 )); then
+    ACCUMULATION=$((TOTAL / (WORLD_SIZE * BATCH_SIZE_PER_DEVICE)))
+fi
+
 # The estimate for the run about to start: chess_finetune.sh's sizes (bf16, 512 tokens), then the
-# flags given to this script that change it (later ones win, as in argparse). The estimator takes
-# every ParallelOptions flag, but --reduce_dtype, --bucket_cap_mb and --ddp_variant leave DDP's
-# and FSDP's figures as they are.
+# flags given to this script that change it (later ones win, as in argparse): every flag of the
+# training loop that the estimator takes.
 ESTIMATE=(--strategy "$STRATEGY" --world_size "$WORLD_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE"
-          --max_seq_length 512 --mixed_precision bf16 --gpu_memory 80GB)
+          --gradient_accumulation_steps "${ACCUMULATION:-1}" --max_seq_length 512 --mixed_precision bf16 --gpu_memory 80GB)
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case ${args[i]} in
-        --strategy|--impl|--max_seq_length|--mixed_precision|--batch_size_per_device)
+        --strategy|--impl|--max_seq_length|--mixed_precision|--batch_size_per_device|--reduce_dtype|--bucket_cap_mb|--ddp_variant)
             ESTIMATE+=("${args[i]}" "${args[i + 1]:-}") ;;
         --gradient_checkpointing|--no_layer_wrap_policy) ESTIMATE+=("${args[i]}") ;;
         --no_fsdp) ESTIMATE+=(--strategy ddp) ;;

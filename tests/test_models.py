@@ -72,3 +72,40 @@ def test_hub_names_pass_through_untouched():
 
 def test_a_bare_hub_name_goes_to_the_hub():
     assert models.resolve("gpt2") == "gpt2"
+
+
+CONNECTS = """
+import socket, sys
+tries = []
+real = socket.socket.connect
+def connect(self, address):
+    tries.append(address)
+    return real(self, address)
+socket.socket.connect = connect
+from minidist import final_model, state
+from minidist.memory import estimator
+name = "some-org/cached"
+print(state.model_fingerprint(name)["hidden_size"], final_model.saved_dtype("auto", name),
+      estimator.load_config(name).num_hidden_layers, len(tries))
+"""
+
+
+def test_a_cached_name_is_read_from_the_cache_alone_without_the_hub(tmp_path):
+    """No HF_HUB_OFFLINE, the hub out of reach (a refused port), the name in the hub cache: the
+    config reads that the checkpoint, the final model and the estimator make go to the cache at
+    once, after one connection attempt (`hub.reachable`), not to the hub client, which tries the hub
+    first for each (three more attempts here, before they used `models.load_config`; where a
+    connection hangs instead of being refused, each retries with back-off: `hub.py`)."""
+    import os
+
+    from transformers import LlamaConfig
+
+    snapshot = tmp_path / "hub" / "models--some-org--cached" / "snapshots" / ("0" * 40)
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4).save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--some-org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--some-org--cached" / "refs" / "main").write_text("0" * 40)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", CONNECTS], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["64", "torch.float32", "3", "1"]

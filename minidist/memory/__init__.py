@@ -5,6 +5,7 @@
 - `measure.py`: what the training loop records each step, term by term, on every rank.
 - `timeline.py`: live bytes over one step, sampled (`MemoryTimeline`), and their figure.
 - `report.py`: the estimate as people read it: a table, a README table, other estimators' figures.
+- `tracker.py`: PyTorch's own `MemTracker` on one step of the whole model under fake tensors.
 - `__main__.py`: the command, `python -m minidist.memory MODEL --strategy fsdp --world_size 4 ...`.
 
 Nothing is imported here: `import minidist.memory.measure` (the loop's) does not load the estimator.

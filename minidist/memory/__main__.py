@@ -37,27 +37,37 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size_per_device", type=int, default=1)
     p.add_argument("--max_seq_length", type=int, default=512)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--target_length", type=int, default=0,
+                   help="an encoder-decoder's target tokens (T5, BART); by default as many as --max_seq_length")
+    p.add_argument("--no_padding", dest="padded", action="store_false",
+                   help="packed or unpadded batches: SDPA needs no mask (by default the loop's right-padded batches)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="gloo (CPU ranks) copies what FSDP2 and ZeRO-1 reduce-scatter; nccl (GPUs) does not")
     p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--readme_table", action="store_true", help="markdown: every strategy on 1, 4, 8 GPUs")
+    p.add_argument("--readme_table", action="store_true",
+                   help="markdown: every strategy on 1, 4, 8 GPUs, with PyTorch's MemTracker beside the estimate")
+    p.add_argument("--memtracker", action="store_true",
+                   help="also trace one step with PyTorch's MemTracker under fake tensors (memory/tracker.py): "
+                        "seconds to minutes the first time per setup, then cached")
     ParallelOptions.add_arguments(p)  # the loop's own flags: --strategy, --impl, --mixed_precision, ...
     p.set_defaults(mixed_precision="bf16")  # as on the GPUs (finetune's default is fp32)
     args = p.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
     with one_line_errors("minidist.memory", ValueError, NotImplementedError, FileNotFoundError):
-        sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend")
+        sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend", "padded",
+                 "target_length")
         setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
         estimator.check_setup(setup)
         if args.readme_table and gpu_memory is None:
             raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
         shape = estimator.model_shape(checked_source(args.model))
-    if args.readme_table:
-        print(report.readme_table(shape, setup, gpu_memory))
-        return
-    r = report.report(shape, setup, gpu_memory)
+        # The activations are traced here (`trace.py`): an architecture that cannot be, says so in one line.
+        if args.readme_table:
+            print(report.readme_table(shape, setup, gpu_memory))
+            return
+        r = report.report(shape, setup, gpu_memory, trace=args.memtracker)
     print(json.dumps(r, indent=1) if args.json else report.format_report(r))
 
 

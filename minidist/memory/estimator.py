@@ -20,33 +20,22 @@ What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradi
 (ZeRO-3) also the parameters. FSDP2 shards each tensor on dim 0 (ceil(rows/N) rows, padded).
 
 **Buffers and gathered units.** A bucketed DDP (PyTorch's) allocates buckets for every gradient
-when it wraps the model: a second copy of the gradients, 4P (`ddp.py`'s gradients become views
-of its buckets, as with PyTorch's `gradient_as_bucket_view=True`). ZeRO packs its flat buckets
-as `zero.py` does (a parameter larger than the cap alone). FSDP gathers the root unit
-(embeddings, final norm, output layer) and a layer with the next one prefetched; without the
+when it wraps the model, 4P (`ddp.py`'s gradients become views of its buckets, as with PyTorch's
+`gradient_as_bucket_view=True`). ZeRO packs flat buckets as `zero.py` does. FSDP gathers the root
+unit (embeddings, final norm, output layer) and a layer with the next one prefetched; without the
 layer wrap policy the one unit is the whole model. When each is alive: `moments.py`.
 
-**Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", section 4, redone for the Llama layer as transformers runs it): what autograd saves
-for backward, per token and per layer, read off `modeling_llama.py` and checked with saved-tensor
-hooks. h = hidden, I = MLP width, q = heads x head_dim, kv = key/value heads x head_dim, n = heads,
-c = bytes of the compute dtype, r = bytes of the residual stream:
-- each RMSNorm: its input upcast to fp32 (4h), x*rsqrt in the residual dtype (r h), rsqrt (4);
-- the norm's output as read by the next linears (c h, once; under autocast each linear saves its
-  own bf16 cast: 3 for q, k, v and 2 for gate, up); the weights themselves are parameters;
-- attention through SDPA (flash or memory-efficient kernels save no T x T scores): q and k after
-  the rotary embedding, v (c(q + 2 kv)), the output (c q), the log-sum-exp (4n); with padding SDPA
-  also saves an additive mask, c T per token, and grouped key/value heads reach it repeated to
-  q (`repeat_kv`; without a mask SDPA takes them as they are); cos and sin are saved once (2 T d r);
-- the gated MLP: gate, silu(gate), up and their product (4 c I).
-So a Llama layer saves (8 + 2r)h + (2 or, under autocast, 5)c h + c(2q + 2kv) + 4cI + 4n + 8 bytes
-per token: in fp32 40h + 16I + 4n + 8, in bf16 24h + 8I + 4n + 8, autocast 34h + 8I + 4n + 8 (q = kv = h).
-Outside the layers: the input ids (8), the final norm and the output layer's input (8 + r + c)h + 4,
-the fp32 log-probabilities of the loss (4V per target), the targets (8). Autocast also keeps a
-bf16 copy of every linear weight until backward (2 bytes per weight).
+**Activations**: what autograd saves for backward, traced, not derived (`trace.py`): the model's
+forward and the loop's loss on fake tensors (shapes, no data) under saved-tensor hooks, each
+storage once, per decoder layer, shared by layers (rotary cos and sin, a mask), or outside them
+(embeddings, head, the loss's fp32 log-probabilities), with the attention kernel the run takes.
+Each term is affine in the batch: traces at batch 1 and 2 give any batch. Layers of different
+types (MoE's sparse and dense, T5's encoder and decoder blocks) count each for itself; autocast's
+bf16 weight copies too. `llama_layer.py` derives a Llama layer by hand, equal to the trace.
 
-**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps only each layer's input (r h per token per layer) and
-recomputes one layer at a time in backward, so one layer's activations come back for a moment.
+**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps each
+layer's input only (r h per token per layer; an encoder-decoder's at the source's length) and
+recomputes one layer at a time in backward: one layer's activations come back for a moment.
 
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
@@ -54,21 +43,25 @@ falls and what is alive then; the terms above are each one's own size, not all a
 Not counted: the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory
 80GB` (8e10 bytes) for an A100 that reports 85.1e9 leaves them about 5 GB.
 
-Exact (tested) for Llama-architecture models (`model_type` llama); for others the layer term is
-Korthikanti et al.'s GPT layer, 34 s b h + 5 a s^2 b bytes in 16 bits, an approximation.
+Tested against measurement for Llama, Mistral, Qwen2, Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral,
+GPT-2, Qwen2-MoE, T5, BART (test_trace.py, test_memory.py); an untraceable one: a ValueError naming it.
 """
 
+import functools
+import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
-from minidist.memory import moments
+from minidist.memory import cache, moments, trace
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
-BUNDLED = {"codellama/CodeLlama-7b-hf": Path(__file__).parent.parent / "configs" / "codellama-7b"}
+CONFIGS = Path(__file__).parent.parent / "configs"
+# Configs shipped with minidist, so the estimates in the lessons work offline (lesson 00's t5-base question).
+BUNDLED = {"codellama/CodeLlama-7b-hf": CONFIGS / "codellama-7b", "google-t5/t5-base": CONFIGS / "t5-base"}
 
 
 @dataclass(frozen=True)
@@ -80,30 +73,33 @@ class Shape:
     model_type: str
     num_params: int
     param_rows: tuple  # (dim 0, numel) of every parameter: FSDP2's shards are rows
-    num_layers: int
+    num_layers: int  # the repeated blocks (`trace.decoder_layers`): an encoder-decoder's both stacks
     hidden_size: int
     intermediate_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    layer_params: int  # one decoder layer: an FSDP unit under the layer wrap policy
+    layer_params: int  # the largest decoder layer: an FSDP unit under the layer wrap policy
+    layer_param_counts: tuple  # every layer's parameters, in order (MoE and dense layers differ)
     root_params: int  # the rest: embeddings, final norm, output layer
-    layer_linear_params: int  # weights autocast copies to bf16, per layer
-    head_linear_params: int
+    head_linear_params: int  # the output layer: its gradient comes first in backward
     largest_module_params: int  # DeepSpeed's "largest layer": the biggest module's own parameters
     base_params: int  # without the output layer, as `AutoModel` builds it (what accelerate sizes)
     config_dtype_bytes: int  # the dtype the config names (`torch_dtype`), in which transformers builds it
+    tied_params: int = 0  # an output layer that is the input embedding: its gradient comes twice
+    is_encoder_decoder: bool = False  # T5, BART: estimated whole; the loop does not train them
+    config: object = field(default=None, repr=False, compare=False)  # what `trace` runs
 
 
 def load_config(name_or_path: str):
     """A config from a local folder, the bundled copy of a known hub model, or the hub."""
-    from transformers import AutoConfig
+    from minidist import models
 
     path = Path(name_or_path).expanduser()
     source = path if (path / "config.json").exists() else BUNDLED.get(name_or_path, name_or_path)
     try:
-        return AutoConfig.from_pretrained(source)
+        return models.load_config(str(source))  # a cached hub name without the hub: the cache alone, at once
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(f"could not read the config of {name_or_path!r} ({first}): pass a folder with a "
@@ -112,29 +108,27 @@ def load_config(name_or_path: str):
 
 def model_shape(name_or_path: str) -> Shape:
     """Build the model on the meta device and count what the estimate needs."""
-    from transformers import AutoModelForCausalLM
-
     config = load_config(name_or_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = trace.model_class(config).from_config(config)
     params = list(model.parameters())  # each tensor once: a tied embedding is one parameter
-    unit_classes = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in unit_classes]
-    layer_params = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
-    linear = lambda m: sum(p.numel() for x in m.modules() if isinstance(x, torch.nn.Linear) for p in x.parameters())
+    counts = tuple(sum(p.numel() for p in m.parameters()) for m in trace.decoder_layers(model))
     head = model.get_output_embeddings()
     hidden, heads = config.hidden_size, config.num_attention_heads
     return Shape(
         name=name_or_path, architecture=type(model).__name__, model_type=config.model_type,
         num_params=sum(p.numel() for p in params), param_rows=tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in params),
-        num_layers=config.num_hidden_layers, hidden_size=hidden,
+        num_layers=len(counts), hidden_size=hidden,
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab_size=config.vocab_size,
-        layer_params=layer_params, root_params=sum(p.numel() for p in params) - len(layers) * layer_params,
-        layer_linear_params=linear(layers[0]) if layers else 0, head_linear_params=linear(head) if head else 0,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        vocab_size=head.weight.shape[0] if head is not None else config.vocab_size,  # the head's real rows
+        layer_params=max(counts, default=0), layer_param_counts=counts, root_params=sum(p.numel() for p in params) - sum(counts),
+        head_linear_params=sum(p.numel() for p in head.parameters()) if head is not None else 0,
         largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         base_params=sum(p.numel() for p in model.base_model.parameters()), config_dtype_bytes=params[0].element_size(),
+        tied_params=head.weight.numel() if head is not None and head.weight is model.get_input_embeddings().weight else 0,
+        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)), config=config,
     )
 
 
@@ -147,6 +141,7 @@ class Setup:
     batch_size_per_device: int = 1
     max_seq_length: int = 512
     padded: bool = True  # right-padded batches: SDPA gets (and saves) a mask
+    target_length: int = 0  # an encoder-decoder's target tokens (0: as many as max_seq_length, the source)
     gradient_accumulation_steps: int = 1  # from the second micro-batch on, gradients are there in forward
     backend: str = "nccl"  # or "gloo" (CPU ranks), which copies what it reduce-scatters (moments.py)
 
@@ -199,43 +194,47 @@ def model_states(s: Shape, setup: Setup) -> dict:
     }
 
 
-def layer_bytes_per_token(s: Shape, mode: str, seq: int, padded: bool) -> float:
-    """Bytes one decoder layer saves for backward per token (see the module docstring)."""
-    h, i, n = s.hidden_size, s.intermediate_size, s.num_heads
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    c = 4 if mode == "fp32" else 2
-    r = 2 if mode == "bf16" else 4
-    mask = c * seq if padded else 0
-    if s.model_type != "llama":  # Korthikanti et al. eq. 1, 16-bit activations, scaled to c bytes
-        return c / 2 * (34 * h + 5 * n * seq) + mask
-    norms = 2 * (4 * h + r * h + 4)
-    linear_inputs = (5 if mode == "autocast" else 2) * c * h
-    if padded:  # with a mask, transformers repeats grouped key/value heads for SDPA (repeat_kv): q-sized
-        kv = q
-    attention = c * (q + 2 * kv) + c * q + 4 * n
-    mlp = 4 * c * i
-    return norms + linear_inputs + attention + mlp + mask
+@functools.lru_cache(maxsize=64)
+def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, batch: int) -> trace.Trace:
+    """One trace, kept on disk (`cache.py`): lessons and tests estimate CodeLlama-7b in many processes."""
+    def run():
+        t = trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None)
+        return {f.name: getattr(t, f.name) for f in fields(t) if f.name != "storages"}
+    key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch)
+    return trace.Trace(**cache.cached("trace", key, run))
+
+
+def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0) -> dict:
+    """The trace at any batch from two (batch 1 and 2): each term is a + b x (per sequence).
+    Cached, so `largest_batch`'s dozen estimates cost two traces."""
+    if s.config is None:
+        raise ValueError(f"the shape of {s.name!r} carries no config to trace: build it with model_shape")
+    key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded, target if s.is_encoder_decoder else 0)
+    one, two = _traced(*key, 1), _traced(*key, 2)
+
+    def at(a, b):  # term by term, at this batch
+        return [at(x, y) for x, y in zip(a, b)] if isinstance(a, list) else a + (batch - 1) * (b - a)
+    terms = ("layers", "shared", "outside", "weight_copies", "layer_copies")
+    return {**{k: at(getattr(one, k), getattr(two, k)) for k in terms}, "types": one.types, "attention": one.attn_implementation}
 
 
 def activations(s: Shape, setup: Setup) -> dict:
     """Activation memory of one micro-batch: what forward saves, and what lives for a moment."""
     mode, b, t = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
-    c, r = (4 if mode == "fp32" else 2), (2 if mode == "bf16" else 4)
-    tokens, targets = b * t, b * (t - 1)
-    per_layer = layer_bytes_per_token(s, mode, t, setup.padded) * tokens
-    shared = 2 * t * s.head_dim * r + (b * t * t if setup.padded else 0)  # cos and sin; the boolean mask
-    head = (12 + (4 + r + c) * s.hidden_size) * tokens  # input ids; final norm; output layer's input
-    loss = (4 * s.vocab_size + 8) * targets + 4  # fp32 log-probabilities, targets, the count
-    layers = s.num_layers * (r * s.hidden_size * tokens if setup.options.gradient_checkpointing else per_layer)
-    copies = 0
-    if mode == "autocast":  # bf16 weight copies live until backward; checkpointed layers recast theirs
-        copies = 2 * (s.head_linear_params + (0 if setup.options.gradient_checkpointing else s.num_layers * s.layer_linear_params))
-    recompute = 0
-    if setup.options.gradient_checkpointing:  # one layer's activations again, and under autocast its weight copies
-        recompute = per_layer + (2 * s.layer_linear_params if mode == "autocast" else 0)
-    return {"saved": layers + shared + head + loss, "per_layer": per_layer, "weight_copies": copies,
-            "layer": layers // max(s.num_layers, 1),  # what one layer keeps until backward: all, or its input
-            "recompute": recompute, "logits": 8 * tokens * s.vocab_size}
+    r = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
+    tokens = b * t
+    tr = traced(s, mode, t, setup.padded, b, setup.target_length)
+    targets = b * (setup.target_length or t) if s.is_encoder_decoder else tokens  # what the logits cover
+    ckpt = setup.options.gradient_checkpointing
+    # Checkpointing keeps each layer's input (its hidden states) and recomputes the rest in backward,
+    # one layer at a time: that layer's activations, and under autocast its weight copies, again.
+    kept = [r * s.hidden_size * tokens] * len(tr["layers"]) if ckpt else tr["layers"]
+    recompute = [a + c for a, c in zip(tr["layers"], tr["layer_copies"])] if ckpt else [0] * len(kept)
+    copies = tr["weight_copies"] - (sum(tr["layer_copies"]) if ckpt else 0)
+    return {"saved": sum(kept) + tr["shared"] + tr["outside"], "per_layer": max(tr["layers"], default=0),
+            "weight_copies": copies, "kept_by_layer": kept, "layer": max(kept, default=0),
+            "recompute_by_layer": recompute, "recompute": max(recompute, default=0),
+            "logits": 8 * targets * s.vocab_size, "types": tr["types"], "attention": tr["attention"]}
 
 
 def buffers(s: Shape, setup: Setup) -> dict:
@@ -297,3 +296,5 @@ def check_setup(setup: Setup) -> None:
             raise ValueError(f"--{name} must be at least 1, got {getattr(setup, name)}")
     if setup.max_seq_length < 2:
         raise ValueError(f"--max_seq_length must be at least 2, got {setup.max_seq_length}")
+    if setup.target_length and setup.target_length < 2:
+        raise ValueError(f"--target_length must be at least 2, got {setup.target_length}")

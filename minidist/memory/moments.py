@@ -62,7 +62,10 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
         if not naive:
             kept["buckets"] = 4 * P  # one fp32 copy of every gradient, from the wrap on
         at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": 4 * P if accum else 0}
-        at["backward"] = {**kept, "gradients": 4 * P}
+        # A weight used twice (an embedding tied to the output layer) gets a second whole gradient
+        # from the embedding's backward, the last; autograd's sum of the two is a third tensor
+        # until it replaces the first (a bucket view cannot be added into in place): 8 bytes an element.
+        at["backward"] = {**kept, "gradients": 4 * P, "tied weight's second gradient": 8 * s.tied_params}
         # PyTorch's DDP keeps the gradients beside the buckets; minidist's become views of them.
         grads = 0 if impl == "minidist" and not naive else 4 * P
         at["step"] = {**kept, "gradients": grads, "optimizer step temporary": 4 * P}
@@ -153,11 +156,11 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
       in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it."""
     n, torch_impl = setup.world_size, setup.options.impl == "torch"
-    per_layer, rest = acts["layer"], acts["saved"] - s.num_layers * acts["layer"]
+    kept_acts, rest = acts["kept_by_layer"], acts["saved"] - sum(acts["kept_by_layer"])
     if setup.options.layer_wrap_policy and s.layer_params:
-        root, layers = s.root_params, [s.layer_params] * s.num_layers
+        root, layers = s.root_params, list(s.layer_param_counts)  # layers may differ (MoE and dense)
     else:
-        root, layers, per_layer, rest = s.num_params, [], 0, acts["saved"]
+        root, layers, rest = s.num_params, [], acts["saved"]
     kept_grad = 4 if torch_impl else c  # bytes per element of the accumulated full gradients
     t = _Timeline({**kept, "accumulated gradients": kept_grad * s.num_params if accum else 0})
     send = lambda u: c * _shard(u, n) if c == 2 else 0  # noqa: E731 (the bf16 copy of the fp32 shard, sent)
@@ -193,7 +196,7 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
         start_gather(layers[0])
     for i, u in enumerate(layers):
         gather(u, layers[i + 1] if i + 1 < len(layers) else 0, linger=True)
-        t.add("activations", per_layer)
+        t.add("activations", kept_acts[i])
         t.add("gathered units", -held(u))
     t.add("activations", rest + acts["weight_copies"])
     t.add("logits", acts["logits"])  # the head's output, its fp32 copy and log-probabilities
@@ -255,9 +258,9 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
     for i in reversed(range(len(layers))):
         u = layers[i]
         gather(u, layers[i - 1] if i else 0)
-        t.add("activations", acts["recompute"])
+        t.add("activations", acts["recompute_by_layer"][i])
         t.add("gradients", fresh * u)
-        t.add("activations", -acts["recompute"] - per_layer)
+        t.add("activations", -acts["recompute_by_layer"][i] - kept_acts[i])
         concatenate(u)
         t.add("gathered units", -held(u))
         reduce(u)

@@ -3,18 +3,24 @@
 `estimator.py` computes the terms; this module turns them into what the command prints
 (`python -m minidist.memory ...`, in `__main__.py`), with `--gpu_memory` (does it fit, the
 largest batch that does) and `--readme_table`, and sets them beside what `accelerate` and
-DeepSpeed would say.
+DeepSpeed would say, and what PyTorch's own `MemTracker` measures on one step traced under fake
+tensors (`tracker.py`).
 """
 
 import re
 from dataclasses import replace
 
-from minidist.memory.estimator import GB, Setup, Shape, as_dict, estimate, largest_batch, peak_moment, setup
+from minidist.memory import tracker
+from minidist.memory.estimator import (GB, Setup, Shape, activations, as_dict, estimate, largest_batch, peak_moment,
+                                       setup)
 from minidist.parallel.options import STRATEGIES
 
 
-def others(s: Shape, setup: Setup) -> dict:
-    """What two popular estimators say for the same case: model states only, no activations.
+def others(s: Shape, setup: Setup, trace: bool = False) -> dict:
+    """What two popular estimators say for the same case (model states only, no activations), and
+    what PyTorch's MemTracker measures on one step of the model traced under FakeTensorMode
+    (`tracker.py`): the whole step's peak, or None where it does not apply (ZeRO-1/2, FSDP by
+    hand) or `trace` is False.
 
     `accelerate estimate-memory` (accelerate 1.15, commands/estimate.py): one number per model and
     dtype, whatever the strategy or number of GPUs. It sizes `AutoModel` (no output layer) as
@@ -27,7 +33,11 @@ def others(s: Shape, setup: Setup) -> dict:
     p, n = s.num_params, setup.world_size
     deepspeed = {"zero2": 2 * p + 18 * p // n, "fsdp": 4 * s.largest_module_params + 18 * p // n}.get(setup.strategy)
     size = s.base_params * s.config_dtype_bytes
-    return {"accelerate": (2 if setup.options.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed}
+    traced = (tracker.peak(s.name, setup) if trace else None) or {}
+    if trace and not tracker.applies(setup):
+        traced = {"error": f"minidist's own {setup.strategy}: it traces DDP and PyTorch's FSDP"}
+    return {"accelerate": (2 if setup.options.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed,
+            "memtracker": traced.get("peak"), "memtracker_split": traced}
 
 
 def parse_bytes(text: str) -> float:
@@ -48,17 +58,29 @@ LABELS = {
 }
 
 
-def report(s: Shape, setup: Setup, gpu_memory: float | None = None) -> dict:
-    """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say."""
+def report(s: Shape, setup: Setup, gpu_memory: float | None = None, trace: bool = False) -> dict:
+    """The estimate, what it means for a GPU of `gpu_memory` bytes, and what others would say
+    (`trace`: with MemTracker's figure, which traces one step the first time per setup, seconds to
+    minutes: `tracker.py`; `--memtracker` on the command)."""
     moment, alive = peak_moment(s, setup)
     result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
-              "exact": s.model_type == "llama", "setup": as_dict(setup), "bytes": estimate(s, setup),
+              "setup": as_dict(setup), "bytes": estimate(s, setup), "traced": _traced_as(s, setup),
               "peak_moment": moment, "alive_at_peak": alive}
     if gpu_memory is not None:
         result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
                       largest_batch_per_device=largest_batch(s, setup, gpu_memory))
-    result["others"] = others(s, setup)
+    result["others"] = others(s, setup, trace)
     return result
+
+
+def _traced_as(s: Shape, setup: Setup) -> str:
+    """How the activations were counted: the attention the trace ran, the layer types it found."""
+    acts = activations(s, setup)
+    names = [kind.split("(")[0] for kind in acts["types"]]  # the class and attention variant; numbered where they repeat
+    names = [f"{n} (type {i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    kinds = ", ".join(f"{count} x {name}" for name, (count, _) in zip(names, acts["types"].values()))
+    seq2seq = "; an encoder-decoder: minidist.finetune does not train it" if s.is_encoder_decoder else ""
+    return f"activations traced on fake tensors: {acts['attention']} attention, layers {kinds}{seq2seq}"
 
 
 def _size(n: float, unit: str = "B") -> str:
@@ -71,8 +93,8 @@ def _size(n: float, unit: str = "B") -> str:
 
 def format_report(r: dict) -> str:
     u = r["setup"]
-    lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters"
-             + ("" if r["exact"] else " (activations approximate: not a Llama layer)"),
+    lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters",
+             f"({r['traced']})",
              f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), {u['mixed_precision']}, batch "
              f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")
@@ -87,23 +109,31 @@ def format_report(r: dict) -> str:
     o = r["others"]
     lines.append(f"model states only, as others count them: accelerate {_size(o['accelerate'])}"
                  + (f", DeepSpeed {_size(o['deepspeed'])}" if o["deepspeed"] else ""))
+    if o["memtracker"]:
+        split = ", ".join(f"{k.lower()} {_size(v)}" for k, v in o["memtracker_split"].items() if k != "peak" and v >= 1e6)
+        lines.append(f"the whole step as PyTorch's MemTracker sees it (traced under fake tensors): peak "
+                     f"{_size(o['memtracker'])} ({split})")
+    elif "error" in o["memtracker_split"]:
+        lines.append(f"PyTorch's MemTracker did not trace this step ({o['memtracker_split']['error']})")
     return "\n".join(lines)
 
 
 def readme_table(s: Shape, base: Setup, gpu_memory: float, world_sizes=(1, 4, 8)) -> str:
-    """Markdown: every strategy on 1, 4 and 8 GPUs; batch 1, then the largest batch without and with checkpointing."""
+    """Markdown: every strategy on 1, 4 and 8 GPUs; batch 1, then the largest batch without and with
+    checkpointing; beside them accelerate's, DeepSpeed's and MemTracker's figures at batch 1."""
     rows = ["| GPUs | strategy | model states | peak at batch 1 | fits at batch 1 | largest batch | largest batch, "
-            "checkpointing | accelerate | DeepSpeed |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+            "checkpointing | accelerate | DeepSpeed | PyTorch MemTracker |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for n in world_sizes:
         for strategy in STRATEGIES:
             plain, ckpt = (report(s, replace(setup(**{**as_dict(base), "strategy": strategy, "impl": "torch",
                                                         "gradient_checkpointing": c}), world_size=n,
-                                                batch_size_per_device=1), gpu_memory)
+                                                batch_size_per_device=1), gpu_memory, trace=not c)
                            for c in (False, True))
             b, o = plain["bytes"], plain["others"]
             states = b["parameters"] + b["gradients"] + b["optimizer_states"]
             rows.append(f"| {n} | {plain['setup']['impl']}/{strategy} | {states / GB:.1f} GB | {b['peak'] / GB:.1f} GB | "
                         f"{'yes' if plain['fits'] else 'no'} | {plain['largest_batch_per_device'] or '-'} | "
                         f"{ckpt['largest_batch_per_device'] or '-'} | {o['accelerate'] / GB:.1f} GB | "
-                        + (f"{o['deepspeed'] / GB:.1f} GB |" if o["deepspeed"] else "- |"))
+                        + (f"{o['deepspeed'] / GB:.1f} GB |" if o["deepspeed"] else "- |")
+                        + (f" {o['memtracker'] / GB:.1f} GB |" if o["memtracker"] else " - |"))
     return "\n".join(rows)
