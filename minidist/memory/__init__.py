@@ -2,6 +2,8 @@
 
 - `estimator.py`: the estimate for any model, strategy and batch, from the config alone
   (the model is built on the meta device: no weights are read).
+- `trace.py`: what a model saves for backward, traced on fake tensors, per layer (`llama_layer.py`:
+  the same for a Llama layer, derived by hand); `cache.py` keeps traces on disk.
 - `measure.py`: what the training loop records each step, term by term, on every rank.
 - `timeline.py`: live bytes over one step, sampled (`MemoryTimeline`), and their figure.
 - `report.py`: the estimate as people read it: a table, a README table, other estimators' figures.
