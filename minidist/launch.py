@@ -10,15 +10,16 @@ Three details make this reliable:
 
 - *a fork server, not a fork of the caller.* A child forked from the caller inherits a copy of
   the caller's threads' locks (torch's thread pools, a notebook's kernel threads) in whatever
-  state they were, and can deadlock. So the ranks come from multiprocessing's ``forkserver``:
-  a clean, single-threaded process started once (per notebook kernel, per test session) that
-  has imported torch and run nothing else, and forks a child per rank. Each child *imports* the
-  worker function by name, which is why the function must live in an importable ``.py``
-  module, not a notebook cell. Why not a fresh interpreter per rank (``spawn``, as before)?
-  Each would import torch again: 3 to 3.5 s of CPU per rank, and on a shared 2-core machine a
-  2-rank launch of a worker that does nothing took 21 to 24 s that way, 0.9 s from the server.
-  The child takes the caller's environment as it is at ``launch`` (the server's is from when
-  it started), so a variable set in a notebook cell reaches the ranks as before.
+  state they were, and can deadlock. So on Linux the ranks come from multiprocessing's
+  ``forkserver``: a clean, single-threaded process, started once (per notebook kernel, per test
+  session), that has imported torch and run nothing else, and forks a child per rank. (macOS and
+  Windows keep ``spawn``, a fresh interpreter per rank: see ``_START_METHOD``.) Either way the
+  child *imports* the worker function by name, which is why the function must live in an
+  importable ``.py`` module, not a notebook cell. Why not a fresh interpreter per rank on Linux
+  too, as before? Each would import torch again: 3 to 3.5 s of CPU per rank; on a shared 2-core
+  machine a 2-rank launch of a worker that does nothing took 21 to 24 s that way, 0.9 s from the
+  server. The child takes the caller's environment as it is at ``launch`` (the server's is from
+  when it started), so a variable set in a notebook cell reaches the ranks as before.
 - *one pipe per rank, watched together with the processes.* The parent waits on all pipes at
   once (``multiprocessing.connection.wait``), reading each message as soon as it arrives, so a
   child sending a large result never blocks on a full pipe; a child that dies without a word
@@ -35,6 +36,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -45,6 +47,9 @@ from minidist.distributed import cleanup, find_free_port, init_distributed
 # reads HF_HOME and HF_HUB_OFFLINE when imported, and a server started before a cell changes them
 # would hand every later rank the old values.
 _PRELOAD = ["torch", "torch.distributed"]
+# Linux only: Windows has no fork, and on macOS forking a process that loaded Apple's frameworks
+# (torch does) is unsafe, which is why Python spawns there by default. Those keep spawn.
+_START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
 _GRACE_S = 5.0  # how long a terminated (or finished) rank gets before we kill it
 
 
@@ -138,8 +143,9 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs)
             "function (not a lambda or a nested function) defined in an importable .py file."
         ) from e
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first launch
+    ctx = multiprocessing.get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first launch
     port = find_free_port()
     procs, readers = [], {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
