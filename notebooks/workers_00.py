@@ -1,6 +1,6 @@
 """Worker functions for lesson 00 (where the memory goes), launched by `minidist.launch.launch`.
 
-They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here measures memory by
 itself: each worker runs the real training loop, `minidist.finetune.train`, whose
 `minidist.memory.measure.MemoryMeter` records per rank, after every optimizer step, the bytes of

@@ -1,6 +1,6 @@
 """Worker functions for lesson 01 (collectives), launched by `minidist.launch.launch`.
 
-They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements a
 collective: each one is `minidist.parallel.comm`'s (which calls `torch.distributed`), the ring is
 `comm.ring_all_reduce`, and the timing is `minidist.bench.collectives.time_collective`, the code that

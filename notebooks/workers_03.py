@@ -1,6 +1,6 @@
 """Worker functions for lesson 03 (gradient accumulation), launched by `minidist.launch.launch`.
 
-They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
 minidist: each run is the real training loop, `minidist.finetune.train`, with the flags a learner
 would type (`--batch_size_per_device`, `--gradient_accumulation_steps`), and hands back what the

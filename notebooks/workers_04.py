@@ -1,6 +1,6 @@
 """Worker functions for lesson 04 (ZeRO-1 and ZeRO-2), launched by `minidist.launch.launch`.
 
-They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
 minidist: `train_and_measure` runs the real training loop, `minidist.finetune.train`, with the
 flags a learner would type, and hands back what that loop measured; `side_by_side` builds each

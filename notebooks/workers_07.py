@@ -1,6 +1,6 @@
 """Worker functions for lesson 07 (mixed precision), launched by `minidist.launch.launch`.
 
-They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
 minidist: each run is the real training loop, `minidist.finetune.train`, with the flags a learner
 would type (`--mixed_precision bf16`, `--reduce_dtype bf16`, `--impl torch`, ...), and what comes

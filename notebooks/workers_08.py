@@ -1,6 +1,6 @@
 """Worker functions for lesson 08 (checkpoints and preemption), launched by `minidist.launch.launch`.
 
-They live in a `.py` file because every rank is a *spawned* process that imports its worker by
+They live in a `.py` file because every rank is a fresh process that imports its worker by
 name. Nothing here re-implements minidist: every run is the real training script,
 `minidist.finetune.train`, with the flags a learner would type (`--save_steps`,
 `--checkpoint_format`, `--resume`), and the stop is a real SIGUSR1, the signal SLURM sends

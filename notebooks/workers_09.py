@@ -1,6 +1,6 @@
 """Worker function for lesson 09 (the capstone), launched by `minidist.launch.launch`.
 
-It lives in a `.py` file because every rank is a *spawned* process that imports its worker by
+It lives in a `.py` file because every rank is a fresh process that imports its worker by
 name. Nothing here re-implements minidist: each run is the real training script,
 `minidist.finetune.train`, with the command-line flags a learner would pass to
 `slurm/chess_finetune.sh`, and what comes back is what that script measured and logged. The

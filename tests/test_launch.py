@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import workers  # tests/ is on sys.path (pytest's rootdir insertion); spawned ranks import it too
+import workers  # tests/ is on sys.path (pytest's rootdir insertion); the ranks import it too
 from minidist import distributed
 from minidist.distributed import DistEnv, cleanup, get_env, init_distributed, read_launch_env
 from minidist.launch import RankFailed, launch
@@ -40,6 +40,19 @@ def test_results_come_back_by_rank(world_size, tmp_path):
         assert r["big"] == list(range(100_000))
     assert len(os.listdir(tmp_path)) == world_size
     assert_all_gone(tmp_path)
+
+
+def test_the_ranks_see_the_callers_environment_as_it_is_at_launch(monkeypatch):
+    """The ranks fork from a server started at the first launch; a variable set after that (a
+    notebook cell's os.environ, a test's monkeypatch) must still reach them, OMP_NUM_THREADS too,
+    which OpenMP read when the server loaded torch."""
+    launch(workers.environment, 1, ["MINIDIST_PROBE"])  # the server is running from here on
+    monkeypatch.setenv("MINIDIST_PROBE", "set after the server started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    for rank in launch(workers.environment, 2, ["MINIDIST_PROBE", "OMP_NUM_THREADS"]):
+        assert rank == {"MINIDIST_PROBE": "set after the server started", "OMP_NUM_THREADS": "3", "threads": 3}
+    monkeypatch.delenv("MINIDIST_PROBE")
+    assert launch(workers.environment, 1, ["MINIDIST_PROBE"])[0]["MINIDIST_PROBE"] is None  # unset is unset
 
 
 # ---- launch: failures -----------------------------------------------------------------

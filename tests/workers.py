@@ -30,6 +30,11 @@ def rank_info(pid_dir=None):
     }
 
 
+def environment(names):
+    """The rank's values of the variables `names` (None where unset), and its torch thread count."""
+    return {**{name: os.environ.get(name) for name in names}, "threads": torch.get_num_threads()}
+
+
 def fail_on_rank_1(pid_dir):
     """Rank 1 raises; rank 0 waits for it in an all_reduce; rank 2 (if any) is busy elsewhere
     and would never notice on its own, so only launch() stopping it ends the run."""
