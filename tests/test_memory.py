@@ -351,6 +351,8 @@ def test_an_unknown_model_without_network_ends_with_one_line():
     (["codellama/CodeLlama-7b-hf", "--world_size", "0"], "--world_size must be at least 1"),
     (["codellama/CodeLlama-7b-hf", "--max_seq_length", "1"], "--max_seq_length must be at least 2"),
     (["codellama/CodeLlama-7b-hf", "--gpu_memory", "lots"], "--gpu_memory must look like 80GB"),
+    (["codellama/CodeLlama-7b-hf", "--target_length", "128"], "--target_length is for encoder-decoders (T5, BART)"),
+    (["google-t5/t5-base", "--target_length", "1"], "--target_length must be at least 2"),
 ])
 def test_bad_input_ends_with_one_line(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit:

@@ -63,6 +63,9 @@ def main(argv=None) -> None:
         if args.readme_table and gpu_memory is None:
             raise ValueError("--readme_table needs --gpu_memory, e.g. 80GB")
         shape = estimator.model_shape(checked_source(args.model))
+        if args.target_length and not shape.is_encoder_decoder:
+            raise ValueError(f"--target_length is for encoder-decoders (T5, BART); {args.model} is a causal LM, "
+                             f"whose targets are its input: leave it out")
         # The activations are traced here (`trace.py`): an architecture that cannot be, says so in one line.
         if args.readme_table:
             print(report.readme_table(shape, setup, gpu_memory))

@@ -97,6 +97,7 @@ def format_report(r: dict) -> str:
              f"({r['traced']})",
              f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), {u['mixed_precision']}, batch "
              f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
+             + (f" > {u['target_length']} target tokens" if u["target_length"] else "")
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")
              + ("" if u["layer_wrap_policy"] or u["strategy"] != "fsdp" else ", no layer wrap policy"), ""]
     lines += [f"{label:<34} {_size(r['bytes'][k]):>10}" for k, label in LABELS.items() if r["bytes"][k] or k == "peak"]
