@@ -34,8 +34,8 @@ types (MoE's sparse and dense, T5's encoder and decoder blocks) count each for i
 bf16 weight copies too. `llama_layer.py` derives a Llama layer by hand, equal to the trace.
 
 **Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps each
-layer's input only (r h per token per layer; an encoder-decoder's at the source's length) and
-recomputes one layer at a time in backward: one layer's activations come back for a moment.
+layer's input only (hidden x 2 or 4 bytes per token, bf16 or fp32; an encoder-decoder's at the
+source's length) and recomputes a layer at a time in backward: its activations return for a moment.
 
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
