@@ -65,6 +65,7 @@ import torch
 
 from minidist.memory import cache
 from minidist.memory.estimator import Setup, as_dict, load_config
+from minidist.memory.trace import batch_for
 
 
 def applies(setup: Setup) -> bool:
@@ -123,7 +124,8 @@ def trace(source: str, setup: Setup, fake: bool = True) -> dict:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        batch = _batch(setup)
+        # The loop's batch shape (`trace.batch_for`): the last sequence right-padded from half its length.
+        batch = batch_for(setup.batch_size_per_device, setup.max_seq_length, setup.padded, vocab_size=100)
         tracker = _tracker(model, optimizer, fsdp=setup.strategy == "fsdp")
         with tracker:
             token_loss_sum(model, batch, strategy).backward()
@@ -132,17 +134,6 @@ def trace(source: str, setup: Setup, fake: bool = True) -> dict:
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()  # one device: the CPU
     split = {getattr(k, "value", k): int(v) for k, v in snapshot.items()}
     return {"peak": split.pop("Total"), **split}
-
-
-def _batch(setup: Setup) -> dict:
-    """b sequences of t tokens; padded setups right-pad the last one to half its length, as a
-    batch of games of different lengths is (`data.py`), so attention gets a mask."""
-    b, t = setup.batch_size_per_device, setup.max_seq_length
-    input_ids = torch.randint(5, 100, (b, t))
-    mask = torch.ones_like(input_ids)
-    if setup.padded:
-        mask[-1, t // 2:] = 0
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
 
 
 def _tracker(model, optimizer, fsdp: bool):
