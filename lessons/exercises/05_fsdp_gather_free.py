@@ -5,7 +5,7 @@ Fill in `gather` and `free` below, then check them from the repository root:
     MINIDIST_EXERCISE=lessons/exercises/05_fsdp_gather_free.py python -m pytest -q tests/test_exercises.py
 
 Everything else is minidist's own `fsdp.Unit` and `FullyShardedDataParallel`
-(`minidist/parallel/fsdp.py`): the hooks that call `gather` before a unit's forward and
+(`minidist/parallel/unit.py` and `fsdp.py`): the hooks that call `gather` before a unit's forward and
 backward (and one unit ahead, the prefetch) and `free` after them, `wait`, the reduce-scatter of
 the gradients. The check wraps a small network of 3 `Block` units plus the root in FSDP on 2 gloo
 ranks, with your `Unit` and with minidist's, trains both for 2 steps and compares the losses,

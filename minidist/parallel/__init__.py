@@ -6,7 +6,8 @@
     03  (no_sync)      gradient accumulation: `wrapper.py`'s `no_sync`, driven by `finetune.train_step`
     04  zero.py        ZeRO-1 (also as an optimizer around any torch.optim class) and ZeRO-2
         flat.py        the flat layout ZeRO and FSDP share: flatten, pad, shard; gather and scatter whole flats
-    05  fsdp.py        ZeRO-3: units by layer class, gather and free, prefetch, reduce-scatter
+    05  fsdp.py        ZeRO-3: units by layer class, prefetch, the story of a step
+        unit.py        one unit's life: gather and free its weights, reduce-scatter its gradient
     06  recompute.py   activation checkpointing, one decoder layer at a time
     07  precision.py   bf16 compute, fp32 masters and reductions
     09  strategy.py    the interface the training loop calls, a table of strategies, PyTorch's own as the reference

@@ -1,0 +1,126 @@
+"""One FSDP unit's life: its flat shard, and the full weights gathered only while it runs.
+
+`fsdp.py` cuts the model into units and tells the story of a step (its docstring: gather before
+forward, free after it, gather again before backward, free and reduce-scatter after it); this
+module is what each unit does at those four moments. A `Unit` never imports its wrapper: it is
+handed the `FullyShardedDataParallel` it belongs to (`self.fsdp`), and asks it for the group,
+the precision policy, the prefetch order and the reductions still in flight.
+"""
+
+import torch
+from torch import nn
+
+from minidist.parallel import comm
+from minidist.parallel.flat import FlatLayout, scatter_flat
+from minidist.parallel.precision import for_reduction
+from minidist.parallel.wrapper import weak_hook
+
+
+class Unit:
+    """One FSDP unit: a module, its flat fp32 shard, and its full flat buffer while gathered."""
+
+    def __init__(self, fsdp, module: nn.Module, slots: list, device: torch.device):
+        self.fsdp, self.module = fsdp, module
+        params = list({id(p): p for *_, p in slots}.values())  # a tied weight once
+        if not all(p.requires_grad for p in params):
+            raise ValueError(f"minidist FSDP shards trainable parameters only; {type(module).__name__} has frozen ones")
+        index = {id(p): k for k, p in enumerate(params)}
+        self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots]
+        self.layout = FlatLayout(params, fsdp.world_size, fsdp.rank)
+        # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
+        shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
+        whole = self.layout.flatten(params, torch.float32) if fsdp.rank == 0 else None
+        scatter_flat(self.layout, whole, shard, group=fsdp.group)
+        self.flat_param = nn.Parameter(shard)
+        module.register_parameter("flat_param", self.flat_param)
+        for owner, attr, _, _ in self.slots:
+            del owner._parameters[attr]  # from now on a plain attribute, set to a view when gathered
+        # The full flat buffer: a leaf that requires grad, so autograd accumulates the gradient of
+        # every view of it into full.grad, in one tensor. Its storage is freed when not in use.
+        self.full = torch.empty(self.layout.padded_numel, dtype=fsdp.mp.param_dtype, device=device, requires_grad=True)
+        self._data = self.full.data  # same storage, own version counter: gathering into it is no
+        self._free_storage()  # "in-place modification" in autograd's eyes
+        self.full.register_post_accumulate_grad_hook(weak_hook(self._post_backward))
+        self.handle = self._send = None
+        self.state = "sharded"  # "gathering" (all-gather in flight), "gathered"
+        self.gathered_for_backward = False
+
+    # ------------------------------------------------------------------ gather and free
+    def gather(self) -> None:
+        """Start the all-gather of this unit (asynchronous); `wait` finishes it."""
+        if self.state != "sharded":
+            return
+        self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
+        self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)  # bf16: half the bytes
+        self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
+        self.state = "gathering"
+        self.fsdp._count_unsharded(+1)
+
+    def wait(self) -> None:
+        if self.state == "gathering":
+            self.handle.wait()
+            self.handle = self._send = None
+            self.state = "gathered"
+
+    def use_views(self) -> None:
+        """Point every module attribute at its slice of the full buffer (fresh views each forward)."""
+        views = self.layout.views(self.full)
+        for owner, attr, _, k in self.slots:
+            setattr(owner, attr, views[k])
+
+    def free(self) -> None:
+        if self.state != "sharded":
+            self.wait()
+            self._free_storage()
+            self.state = "sharded"
+            self.fsdp._count_unsharded(-1)
+
+    def _free_storage(self) -> None:
+        self._data.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------ the hooks
+    def pre_forward(self, *_) -> None:
+        self.gather()
+        self.wait()
+        self.use_views()
+        if not self.fsdp.in_backward:
+            self.fsdp.prefetch(self, +1)
+
+    def post_forward(self, module, args, output):
+        if self.fsdp.in_backward:  # a recomputation inside backward: the unit is needed now
+            return output
+        self.free()
+        if torch.is_grad_enabled():
+            self.gathered_for_backward = False
+            self.fsdp.hook_outputs(output, self.pre_backward)
+        return output
+
+    def pre_backward(self, grad):
+        self.fsdp.start_backward()
+        if not self.gathered_for_backward:  # once, however many outputs the unit has
+            self.gathered_for_backward = True
+            self.gather()
+            self.wait()
+            self.fsdp.prefetch(self, -1)
+        return grad
+
+    def _post_backward(self, full: torch.Tensor) -> None:
+        self.free()  # the gathered weights first: the reduction does not need them
+        if not self.fsdp.require_sync:
+            return  # no_sync: full.grad stays and the next backward adds to it
+        grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
+        full.grad = None
+        grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
+        out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+        handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True, input_is_scratch=True)
+        for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
+            unit.finish_reduction(earlier, earlier_out)
+        self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
+
+    def finish_reduction(self, handle, out) -> None:
+        handle.wait()
+        out = out.to(torch.float32)
+        if self.flat_param.grad is None:
+            self.flat_param.grad = out
+        else:
+            self.flat_param.grad += out
