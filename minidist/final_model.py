@@ -12,6 +12,10 @@ full state dict the strategy gathered. Two things matter:
   a folder named `model` is always complete. If the disk is full (or read-only) the `.tmp` is
   removed and the run stops in one line that says what is still there: the checkpoints, which a
   `--resume` finishes from (it skips the steps already done, then evaluates and writes the model).
+
+With LoRA (`lora.py`) the product is the adapter alone, in the same dtype: `model/` then holds
+`adapter_config.json` and `adapter_model.safetensors`, which `PeftModel.from_pretrained(base,
+folder)` puts back on the base model, and the tokenizer.
 """
 
 import json
@@ -47,11 +51,16 @@ def write(out: Path, model, full_state: dict | None, dtype_choice: str, name_or_
         dtype = saved_dtype(dtype_choice, name_or_path)
         full_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state.items()}
         shutil.rmtree(tmp, ignore_errors=True)  # a write that a kill cut short
-        model.save_pretrained(tmp, state_dict=full_state)
-        # save_pretrained wrote the dtype of the model in memory (the fp32 masters, or none at all
-        # when FSDP holds them); from_pretrained(dtype="auto") reads this one.
-        model.config.dtype = dtype
-        model.config.save_pretrained(tmp)
+        from minidist import lora
+
+        if lora.is_peft(model):
+            lora.save_adapter(model, tmp, full_state, dtype)
+        else:
+            model.save_pretrained(tmp, state_dict=full_state)
+            # save_pretrained wrote the dtype of the model in memory (the fp32 masters, or none at
+            # all when FSDP holds them); from_pretrained(dtype="auto") reads this one.
+            model.config.dtype = dtype
+            model.config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)  # an earlier run's model, replaced by this one
         tmp.rename(final)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, final_model, metrics, model_folder, models, output_dir, preemption, state
+from minidist import data, evaluate, final_model, lora, metrics, model_folder, models, output_dir, preemption, state
 from minidist.distributed import cleanup, init_distributed
 from minidist.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval_prefixes", type=int, default=200, help="held-out prefixes to judge (0: skip evaluation)")
     ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (parallel/options.py)
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
+    lora.add_arguments(p)  # --lora_rank, --lora_alpha, ... (lora.py)
     p.add_argument("--batch_size_per_device", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=3e-3)
@@ -141,6 +142,7 @@ def _train(args, env) -> dict:
         strategy = get_strategy(ParallelOptions.from_args(args), env, mesh)
         args.model = models.resolve(args.model)
         model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
+        lora.check(args, args.model)  # its flags, and target modules this model has
         tokenizer = models.load_tokenizer(args.model)
         sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
         sampler = data.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
@@ -155,6 +157,10 @@ def _train(args, env) -> dict:
 
     model = strategy.load_model(args.model)  # minidist FSDP: rank 0 only; the others get shapes
     config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
+    if lora.enabled(args):  # the base frozen, adapters beside it, the same on every rank (lora.py)
+        model = lora.apply(model, args, args.seed)
+        if env.is_main:
+            print(lora.describe(model))
     if args.gradient_checkpointing:
         strategy.checkpoint_activations(model)
     model = strategy.wrap(model)

@@ -14,9 +14,17 @@ from minidist.parallel.options import ADAMW_BETAS
 
 
 def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=torch.float32, frozen=(),
-                    lr_lambda=None):
-    """Return (losses per step, final state_dict, number of trainable parameters)."""
+                    lr_lambda=None, lora_config=None):
+    """Return (losses per step, final state_dict, number of trainable parameters).
+
+    lora_config: a peft `LoraConfig`, applied with peft's own `get_peft_model` after seeding the
+    RNG with `seed` (its A matrices are random)."""
     tokenizer, model = models.load_tokenizer(model_dir), models.load_model(model_dir, dtype=dtype)
+    if lora_config is not None:
+        from peft import get_peft_model
+
+        torch.manual_seed(seed)
+        model = get_peft_model(model, lora_config)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
     sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, seq_len)

@@ -156,21 +156,28 @@ class FullyShardedDataParallel(DataParallelWrapper):
                                        max_norm, self.group)
 
     def flats(self) -> list[Flat]:
-        out = []
-        for unit in self.units:
-            names = [[] for _ in unit.layout.shapes]
-            for _, _, name, k in unit.slots:
-                names[k].append(name)  # a tied weight: each of its names
-            out.append(Flat(unit.layout, unit.flat_param, [tuple(n) for n in names]))
-        return out
+        """The trainable flats (what the optimizer steps and a checkpoint holds); a unit whose
+        parameters are all frozen has none."""
+        return [_flat(u.layout, u.flat_param, u.slots) for u in self.units if u.layout.numel]
+
+    def frozen_flats(self) -> list[Flat]:
+        """The frozen flats (LoRA's base, `frozen.py`): in the weights, never in the optimizer."""
+        return [_flat(u.frozen.layout, u.frozen.shard, u.frozen_slots) for u in self.units if u.frozen is not None]
 
     def refresh_weights(self) -> None:
         """Nothing to do after loading shards: every unit is gathered from them before each use."""
 
     def full_parameters(self, keep: bool) -> dict[str, torch.Tensor]:
         """The fp32 weights by their original names on this rank's CPU if it `keep`s them, one
-        unit at a time (every rank calls it: `flat.gather_parameters`)."""
-        return gather_parameters(self.flats(), keep, self.group)
+        unit at a time (every rank calls it: `flat.gather_parameters`), the frozen ones too."""
+        return gather_parameters(self.flats() + self.frozen_flats(), keep, self.group)
+
+
+def _flat(layout, shard, slots) -> Flat:
+    names = [[] for _ in layout.shapes]
+    for _, _, name, k in slots:
+        names[k].append(name)  # a tied weight: each of its names
+    return Flat(layout, shard, [tuple(n) for n in names])
 
 
 def _slots(module: nn.Module, prefix: str, claimed: set) -> list:

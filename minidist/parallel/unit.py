@@ -5,6 +5,11 @@ forward, free after it, gather again before backward, free and reduce-scatter af
 module is what each unit does at those four moments. A `Unit` never imports its wrapper: it is
 handed the `FullyShardedDataParallel` it belongs to (`self.fsdp`), and asks it for the group,
 the precision policy, the prefetch order and the reductions still in flight.
+
+A unit may hold frozen parameters too (LoRA's base weights): they go in a second flat,
+`self.frozen` (`frozen.py`), gathered and freed with the trainable one and never reduced. The
+trainable flat is then the adapters alone, or empty (a root unit whose embeddings, norm and
+output layer are all frozen): an empty flat is neither gathered nor handed to `flats()`.
 """
 
 import torch
@@ -12,6 +17,7 @@ from torch import nn
 
 from minidist.parallel import comm
 from minidist.parallel.flat import FlatLayout, scatter_flat
+from minidist.parallel.frozen import FrozenFlat
 from minidist.parallel.precision import for_reduction
 from minidist.parallel.wrapper import weak_hook
 
@@ -21,19 +27,24 @@ class Unit:
 
     def __init__(self, fsdp, module: nn.Module, slots: list, device: torch.device):
         self.fsdp, self.module = fsdp, module
-        params = list({id(p): p for *_, p in slots}.values())  # a tied weight once
-        if not all(p.requires_grad for p in params):
-            raise ValueError(f"minidist FSDP shards trainable parameters only; {type(module).__name__} has frozen ones")
+        unique = list({id(p): p for *_, p in slots}.values())  # a tied weight once
+        params = [p for p in unique if p.requires_grad]
+        frozen = [p for p in unique if not p.requires_grad]  # LoRA's base: a flat of its own (frozen.py)
         index = {id(p): k for k, p in enumerate(params)}
-        self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots]
+        self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots if id(p) in index]
+        findex = {id(p): k for k, p in enumerate(frozen)}
+        self.frozen_slots = [(owner, attr, name, findex[id(p)]) for owner, attr, name, p in slots if id(p) in findex]
+        self.frozen = FrozenFlat(frozen, fsdp.mp.param_dtype, fsdp.group, fsdp.world_size, fsdp.rank,
+                                 device) if frozen else None
         self.layout = FlatLayout(params, fsdp.world_size, fsdp.rank)
         # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
         shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
-        whole = self.layout.flatten(params, torch.float32) if fsdp.rank == 0 else None
-        scatter_flat(self.layout, whole, shard, group=fsdp.group)
+        if params:
+            whole = self.layout.flatten(params, torch.float32) if fsdp.rank == 0 else None
+            scatter_flat(self.layout, whole, shard, group=fsdp.group)
         self.flat_param = nn.Parameter(shard)
         module.register_parameter("flat_param", self.flat_param)
-        for owner, attr, _, _ in self.slots:
+        for owner, attr, _, _ in self.slots + self.frozen_slots:
             del owner._parameters[attr]  # from now on a plain attribute, set to a view when gathered
         # The full flat buffer: a leaf that requires grad, so autograd accumulates the gradient of
         # every view of it into full.grad, in one tensor. Its storage is freed when not in use.
@@ -50,15 +61,21 @@ class Unit:
         """Start the all-gather of this unit (asynchronous); `wait` finishes it."""
         if self.state != "sharded":
             return
-        self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
-        self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)  # bf16: half the bytes
-        self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
+        if self.frozen is not None:
+            self.frozen.gather()
+        if self.layout.numel:
+            self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
+            self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)  # bf16: half the bytes
+            self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
         self.state = "gathering"
         self.fsdp._count_unsharded(+1)
 
     def wait(self) -> None:
         if self.state == "gathering":
-            self.handle.wait()
+            if self.frozen is not None:
+                self.frozen.wait()
+            if self.handle is not None:
+                self.handle.wait()
             self.handle = self._send = None
             self.state = "gathered"
 
@@ -67,6 +84,10 @@ class Unit:
         views = self.layout.views(self.full)
         for owner, attr, _, k in self.slots:
             setattr(owner, attr, views[k])
+        if self.frozen is not None:
+            frozen_views = self.frozen.views()
+            for owner, attr, _, k in self.frozen_slots:
+                setattr(owner, attr, frozen_views[k])
 
     def free(self) -> None:
         if self.state != "sharded":
@@ -77,6 +98,8 @@ class Unit:
 
     def _free_storage(self) -> None:
         self._data.untyped_storage().resize_(0)
+        if self.frozen is not None:
+            self.frozen.free()
 
     # ------------------------------------------------------------------ the hooks
     def pre_forward(self, *_) -> None:

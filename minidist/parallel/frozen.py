@@ -1,0 +1,61 @@
+"""Frozen parameters in an FSDP unit: sharded and gathered like the rest, never reduced, never stepped.
+
+With LoRA (`minidist/lora.py`) a decoder layer holds both kinds: the frozen base weights
+(`q_proj.base_layer.weight`, the norms, ...) and the trainable adapters (`lora_A`, `lora_B`).
+A unit (`unit.py`) therefore lays its parameters out in two flats, each by its own
+`flat.FlatLayout`:
+
+    trainable  fp32 shard `flat_param` (the optimizer's), gathered in the compute dtype into a
+               buffer that requires grad; its gradient is reduce-scattered after backward
+    frozen     `FrozenFlat`: a shard kept in the compute dtype (bf16 under --mixed_precision bf16:
+               it is never updated, so there is no fp32 master to keep), gathered into a buffer
+               that does not require grad; it has no gradient, so nothing is reduced for it
+
+Both are gathered before the unit's forward and again before its backward (backward needs the
+frozen weights to pass the gradient down to the layer's input), and freed together. Frozen
+weights are not in `flats()` either: checkpoints hold the trainable state only, and a resumed
+run reads the frozen base from the model folder, as the first run did.
+
+Memory per rank for a unit of P_f frozen and P_t trainable parameters, N ranks, bf16: 2 P_f / N
+for the frozen shard, 16 P_t / N for the trainable ones (4 + 4 + 8), and while gathered 2 (P_f +
+P_t). Bytes per rank per step: two all-gathers of each flat, (P_f + P_t) x 2 (N-1)/N x 2 bytes,
+and one reduce-scatter of the trainable flat only, P_t (N-1)/N x 4 bytes. PyTorch's FSDP2 does
+the same with `requires_grad=False` parameters (they are all-gathered, their gradients not
+reduced); FSDP1 needed `use_orig_params=True` for a unit that mixes the two.
+"""
+
+import torch
+
+from minidist.parallel import comm
+from minidist.parallel.flat import FlatLayout, scatter_flat
+
+
+class FrozenFlat:
+    """One unit's frozen parameters: a shard in the compute dtype, and the full flat while gathered."""
+
+    def __init__(self, params: list, dtype: torch.dtype, group, world_size: int, rank: int, device: torch.device):
+        self.layout = FlatLayout(params, world_size, rank)
+        self.group = group
+        # Rank 0 flattens its weights and sends shard r to rank r (the others may hold meta tensors).
+        whole = self.layout.flatten(params, torch.float32) if rank == 0 else None
+        self.shard = torch.empty(self.layout.shard_numel, dtype=dtype, device=device)
+        scatter_flat(self.layout, whole, self.shard, group=group)
+        self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        self.free()
+        self.handle = None
+
+    def gather(self) -> None:
+        """Start the all-gather of the full frozen flat (asynchronous; `wait` finishes it)."""
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        self.handle = comm.all_gather(self.full, self.shard, group=self.group, async_op=True)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def views(self) -> list[torch.Tensor]:
+        return self.layout.views(self.full)
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)

@@ -1,0 +1,177 @@
+"""LoRA (`--lora_rank`, minidist/lora.py) under every strategy, against one process with peft.
+
+The reference (tests/reference.py) applies peft's `get_peft_model` itself and trains the whole
+global batch in one process. Every strategy, on 2 ranks with 2 accumulation steps, must give the
+same losses and LoRA weights (fp32, tight), leave the frozen base bit-identical on every rank,
+send only the adapters' gradients, and write an adapter that `PeftModel.from_pretrained` loads.
+"""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from minidist import finetune
+from minidist.launch import launch
+from lora_workers import run_lora_finetunes
+from reference import train_reference
+from test_state import interrupt_with_torchrun
+from train_workers import run_finetunes
+
+STEPS, SEQ, LR, SEED, RANK = 4, 48, 3e-3, 3, 4
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+CASES = [  # (implementation, strategy, extra flags): 2 ranks x 1 sequence x 2 accumulation steps
+    ("torch", "ddp", []),
+    ("torch", "fsdp", []),
+    ("minidist", "ddp", ["--bucket_cap_mb", "0.01"]),
+    ("minidist", "zero1", ["--bucket_cap_mb", "0.01"]),
+    ("minidist", "zero2", ["--bucket_cap_mb", "0.01", "--gradient_checkpointing"]),
+    ("minidist", "fsdp", []),
+    ("minidist", "fsdp", ["--gradient_checkpointing", "--lora_target_modules", "all-linear"]),
+    ("minidist", "fsdp", ["--no_layer_wrap_policy"]),
+]
+
+
+def argv_for(model, out, impl, strategy, extra):
+    name = f"{impl}-{strategy}{''.join(extra)}".replace("--", "-")
+    return ["--model", model, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR),
+            "--warmup_steps", "2", "--seed", str(SEED), "--eval_prefixes", "0", "--output_dir", str(out / name),
+            "--impl", impl, "--strategy", strategy, "--batch_size_per_device", "1",
+            "--gradient_accumulation_steps", "2", "--lora_rank", str(RANK), *extra]
+
+
+def targets_of(extra):
+    return "all-linear" if "all-linear" in extra else ATTENTION
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    """Per target set: the single-process losses and final state (frozen base included)."""
+    args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
+    out = {}
+    for targets in ("all-linear", tuple(ATTENTION)):
+        config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets if isinstance(targets, str)
+                            else list(targets), task_type="CAUSAL_LM")
+        losses, state, trained = train_reference(tiny_model, steps=STEPS, global_batch=4, seq_len=SEQ, lr=LR, seed=SEED,
+                                                 lr_lambda=lambda s: finetune.lr_schedule(s, args), lora_config=config)
+        out[targets if isinstance(targets, str) else "attention"] = losses, state, trained
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """Every case, and a bf16 FSDP run, in one launch of 2 ranks (starting ranks costs more than a run)."""
+    out = tmp_path_factory.mktemp("lora")
+    argvs = [argv_for(tiny_model, out, *case) for case in CASES]
+    argvs.append(argv_for(tiny_model, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))
+    ranks = launch(run_lora_finetunes, 2, argvs, timeout_s=900)
+    return {tuple(argv): [rank[i] for rank in ranks] for i, argv in enumerate(argvs)}, out
+
+
+def reference_for(references, extra):
+    return references["all-linear" if "all-linear" in extra else "attention"]
+
+
+@pytest.mark.parametrize("impl,strategy,extra", CASES)
+def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, references, runs, impl, strategy, extra):
+    results, out = runs
+    argv = argv_for(tiny_model, out, impl, strategy, extra)
+    per_rank = results[tuple(argv)]
+    result = per_rank[0]
+    ref_losses, ref_state, trained = reference_for(references, extra)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert result["parameters"].keys() == ref_state.keys()
+    lora_names = [n for n in ref_state if "lora_" in n]
+    assert sum(ref_state[n].numel() for n in lora_names) == trained > 0
+    for name in lora_names:  # the adapters trained as in one process (tolerance: test_finetune.py's)
+        torch.testing.assert_close(result["parameters"][name], ref_state[name], rtol=1e-5, atol=LR / 100, msg=name)
+    for name, ref in ref_state.items():  # the frozen base, gathered from every rank's shard where sharded
+        if "lora_" not in name:
+            assert torch.equal(result["parameters"][name], ref), name
+    assert any(result["parameters"][n].abs().sum() > 0 for n in lora_names if "lora_B" in n)  # B left zero
+    for rank in per_rank:  # replicated strategies: every rank's own copy of the base
+        assert bool(rank["frozen"]) == (strategy != "fsdp")
+        for name, tensor in rank["frozen"].items():
+            assert torch.equal(tensor, ref_state[name]), name
+    if impl == "minidist" and strategy != "fsdp":
+        # Only the adapters' gradients are reduced: 2 P_lora (N-1)/N fp32 elements (ZeRO: up to padding).
+        records = [json.loads(line) for line in (Path(argv[argv.index("--output_dir") + 1]) / "metrics.jsonl")
+                   .read_text().splitlines()]
+        for r in records:
+            assert 0 <= r["comm_bytes"] - 2 * trained * (2 - 1) / 2 * 4 < 2 * 4 * 2 * 64
+
+
+def test_fsdp_keeps_the_frozen_base_in_bf16_and_tracks_fp32(tiny_model, references, runs):
+    results, out = runs
+    result = results[tuple(argv_for(tiny_model, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))][0]
+    ref_losses, ref_state, _ = references["attention"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-2, atol=0)
+    assert not torch.equal(torch.tensor(result["losses"]), torch.tensor(ref_losses))
+    for name, ref in ref_state.items():  # the frozen flat is bf16: the base rounded once, then untouched
+        if "lora_" not in name:
+            assert torch.equal(result["parameters"][name], ref.to(torch.bfloat16).float()), name
+
+
+@pytest.mark.parametrize("impl,strategy", [("minidist", "fsdp"), ("torch", "ddp"), ("minidist", "zero2")])
+def test_the_saved_adapter_loads_with_peft_and_gives_the_same_logits(tiny_model, runs, impl, strategy):
+    results, out = runs
+    argv = argv_for(tiny_model, out, impl, strategy, next(extra for i, s, extra in CASES if (i, s) == (impl, strategy)))
+    result, folder = results[tuple(argv)][0], Path(argv[argv.index("--output_dir") + 1]) / "model"
+    assert (folder / "adapter_config.json").exists() and (folder / "adapter_model.safetensors").exists()
+    assert not (folder / "model.safetensors").exists()  # the adapter alone, not the base again
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder).eval()
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=ATTENTION, task_type="CAUSAL_LM")
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), config).eval()
+    trained.load_state_dict(result["parameters"])
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+def run_here(argv, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        finetune.main(argv)
+    return stop.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--lora_rank", "0"], "--lora_rank must be at least 1, got 0"),
+    (["--lora_rank", "-2"], "--lora_rank must be at least 1, got -2"),
+    (["--lora_rank", "4", "--lora_alpha", "0"], "--lora_alpha must be more than 0"),
+    (["--lora_rank", "4", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1)"),
+    (["--lora_alpha", "8"], "--lora_alpha needs --lora_rank"),
+    (["--lora_rank", "4", "--lora_target_modules", "q_proj,c_attn"], "has no linear layer named c_attn"),
+    (["--lora_rank", "4", "--checkpoint_format", "full"], "with --lora_rank use --checkpoint_format sharded"),
+])
+def test_bad_lora_flags_end_with_one_line(tiny_model, tmp_path, capsys, argv, expected):
+    status, err = run_here(["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", *argv], capsys)
+    assert status == 2
+    assert expected in err.strip().splitlines()[-1], err
+    assert "Traceback" not in err
+
+
+RESUMED = [("minidist", "fsdp"), ("torch", "ddp")]
+
+
+@pytest.mark.parametrize("impl,strategy", RESUMED)
+def test_a_lora_run_stopped_by_sigterm_resumes_bitwise(tiny_model, tmp_path, impl, strategy):
+    def argv(out, *extra):
+        return ["--model", tiny_model, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
+                "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
+                "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4", *extra]
+
+    first = interrupt_with_torchrun(argv(tmp_path / "out", "--save_steps", "2"), tmp_path / "torchrun.log",
+                                    signal.SIGTERM, "step:3")
+    assert "stopped by SIGTERM after step 3: saved" in first["log"], first["log"][-2000:]
+    reference, resumed = launch(run_finetunes, 2, [argv(tmp_path / "reference"),
+                                                   argv(tmp_path / "out", "--save_steps", "2", "--resume")],
+                                timeout_s=600)[0]
+    assert resumed["losses"] == reference["losses"]  # floats compared exactly
+    for name, tensor in reference["parameters"].items():
+        assert torch.equal(resumed["parameters"][name], tensor), name
