@@ -14,21 +14,27 @@ from minidist.parallel import strategy as strategies
 
 def run_lora_finetunes(argvs):
     held = {}
-    original = strategies.Strategy.unwrap
+    # Every rank calls full_state_dict once training is over (the final model): hold its model.
+    classes = (strategies.Strategy, strategies.ShardedByHand, strategies.TorchFSDP)
+    originals = {cls: cls.__dict__["full_state_dict"] for cls in classes}
 
-    def unwrap_and_hold(self, model):  # the loop unwraps the model to save it, once training is over
-        held["model"] = original(self, model)
-        return held["model"]
+    def holding(original):
+        def full_state_dict(self, model):
+            held["model"] = self.unwrap(model)
+            return original(self, model)
+        return full_state_dict
 
-    strategies.Strategy.unwrap = unwrap_and_hold
+    for cls in classes:
+        cls.full_state_dict = holding(originals[cls])
     results = []
     try:
         for argv in argvs:
             result = finetune.train(finetune.parse_args(argv))
-            model = held.pop("model", None)  # None: PyTorch's FSDP, which has no wrapper to unwrap
-            result["frozen"] = {} if model is None else {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
-                                if not p.requires_grad and not p.is_meta and type(p) is torch.nn.Parameter}
+            model = held.pop("model")
+            result["frozen"] = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
+                                if not p.requires_grad and type(p) is torch.nn.Parameter}  # not FSDP2's DTensors
             results.append(result)
     finally:
-        strategies.Strategy.unwrap = original
+        for cls in classes:
+            cls.full_state_dict = originals[cls]
     return results
