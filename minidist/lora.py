@@ -68,10 +68,11 @@ def check(args, name_or_path: str | None = None) -> None:
         return
     if args.lora_rank < 1:
         raise ValueError(f"--lora_rank must be at least 1, got {args.lora_rank} (leave it out for a full fine-tune)")
-    if args.lora_alpha is not None and not args.lora_alpha > 0:
-        raise ValueError(f"--lora_alpha must be more than 0, got {args.lora_alpha}")
-    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
-        raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    alpha, dropout = getattr(args, "lora_alpha", None), getattr(args, "lora_dropout", None)  # (not the estimator's)
+    if alpha is not None and not alpha > 0:
+        raise ValueError(f"--lora_alpha must be more than 0, got {alpha}")
+    if dropout is not None and not 0 <= dropout < 1:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {dropout}")
     if not targets(args):
         raise ValueError("--lora_target_modules names no module")
     if getattr(args, "checkpoint_format", "sharded") == "full":

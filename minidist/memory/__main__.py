@@ -7,7 +7,7 @@ that trains can be estimated by changing `-m minidist.finetune` into `-m minidis
 import json
 from dataclasses import fields
 
-from minidist import hub, model_folder, models
+from minidist import hub, lora, model_folder, models
 from minidist.errors import ArgumentParser, one_line_errors
 from minidist.memory import estimator, report
 from minidist.parallel.options import ParallelOptions
@@ -51,13 +51,17 @@ def main(argv=None) -> None:
                    help="also trace one step with PyTorch's MemTracker under fake tensors (memory/tracker.py): "
                         "seconds to minutes the first time per setup, then cached")
     ParallelOptions.add_arguments(p)  # the loop's own flags: --strategy, --impl, --mixed_precision, ...
+    p.add_argument("--lora_rank", type=int, metavar="R", help="train rank-R LoRA adapters, the model frozen (lora.py)")
+    p.add_argument("--lora_target_modules", help=f"as minidist.finetune's (default {lora.DEFAULT_TARGETS})")
     p.set_defaults(mixed_precision="bf16")  # as on the GPUs (finetune's default is fp32)
     args = p.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
     with one_line_errors("minidist.memory", ValueError, NotImplementedError, FileNotFoundError):
         sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend", "padded",
                  "target_length")
-        setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options)
+        lora.check(args)  # --lora_rank 0: one line, as in the loop
+        setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options, lora_rank=args.lora_rank or 0,
+                                lora_target_modules=args.lora_target_modules)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
         estimator.check_setup(setup)
         if args.readme_table and gpu_memory is None:

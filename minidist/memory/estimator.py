@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.memory import cache, moments, trace
+from minidist.memory import cache, lora_terms, moments, trace
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
@@ -144,6 +144,8 @@ class Setup:
     target_length: int = 0  # an encoder-decoder's target tokens (0: as many as max_seq_length, the source)
     gradient_accumulation_steps: int = 1  # from the second micro-batch on, gradients are there in forward
     backend: str = "nccl"  # or "gloo" (CPU ranks), which copies what it reduce-scatters (moments.py)
+    lora_rank: int = 0  # LoRA adapters of this rank train, the base is frozen (lora_terms.py); 0: full fine-tune
+    lora_target_modules: str | None = None  # as finetune's flag (None: lora.DEFAULT_TARGETS)
 
     @property
     def strategy(self) -> str:
@@ -183,6 +185,8 @@ def shard_numel(s: Shape, setup: Setup) -> int:
 
 def model_states(s: Shape, setup: Setup) -> dict:
     """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
+    if setup.lora_rank:
+        return lora_terms.model_states(s, setup)
     k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
     zero_paper = setup.options.mixed_precision == "bf16" and k in ("zero1", "zero2")
     w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8)
@@ -245,20 +249,14 @@ def buffers(s: Shape, setup: Setup) -> dict:
     if k == "fsdp":
         wrapped = setup.options.layer_wrap_policy and s.layer_params
         gathered = c * (s.root_params + 2 * s.layer_params if wrapped else s.num_params)
-    # DDP's buckets hold a copy of every fp32 gradient (`--ddp_variant naive` has none).
-    naive = setup.options.impl == "minidist" and setup.options.value("ddp_variant") == "naive"
-    buckets = {"ddp": 0 if naive else 4 * s.num_params}.get(k, 0)
-    if k in ("zero1", "zero2"):  # the largest flat gradient bucket (fp32), one at a time or two
-        largest = max(moments.buckets([numel for _, numel in s.param_rows], int(setup.options.value("bucket_cap_mb") * 2**20)))
-        buckets = 4 * largest * (2 if k == "zero2" else 1)
-    return {"gathered_units": gathered, "buckets": buckets}
+    return {"gathered_units": gathered, "buckets": lora_terms.bucket_bytes(s, setup)}  # of what is trained
 
 
 def estimate(s: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
     states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
-    at = moments.moments(s, setup, states, acts)
+    at = moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts)  # LoRA: its gradients only
     peak = max(sum(terms.values()) for terms in at.values())
     bufs["optimizer_step"] = at["step"]["optimizer step temporary"]  # AdamW's, as the step makes it
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
@@ -268,7 +266,7 @@ def estimate(s: Shape, setup: Setup) -> dict:
 
 def peak_moment(s: Shape, setup: Setup) -> tuple[str, dict]:
     """The moment of the step where the peak falls, and what is alive then (`moments.py`)."""
-    at = moments.moments(s, setup, model_states(s, setup), activations(s, setup))
+    at = moments.moments(lora_terms.trained_shape(s, setup), setup, model_states(s, setup), activations(s, setup))
     name = max(at, key=lambda m: sum(at[m].values()))
     return name, at[name]
 

@@ -63,8 +63,10 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     states = [t for state in optimizer.state.values() for t in state.values()]
     # ZeRO-2 keeps its gradient shards outside any .grad, and says where.
     shards = model.gradient_shards() if isinstance(model, DataParallelWrapper) else []
+    # FSDP by hand holds frozen weights (LoRA's base) as shards outside any parameter (parallel/frozen.py).
+    frozen = [flat.shard for flat in model.frozen_flats()] if hasattr(model, "frozen_flats") else []
     counted = set()
-    return {"parameters": storage_bytes(params, counted),
+    return {"parameters": storage_bytes(params + frozen, counted),
             "gradients": storage_bytes([p.grad for p in params + extra] + shards, counted),
             "optimizer_states": storage_bytes(states + extra, counted)}
 

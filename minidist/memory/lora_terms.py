@@ -1,0 +1,124 @@
+"""LoRA's model states: a frozen base that is only held, and adapters that are trained.
+
+`estimator.py` counts 16 bytes per parameter for a full fine-tune with AdamW. With LoRA
+(`minidist/lora.py`; Hu et al. 2021, section 4.2 "practical benefits": GPT-3 175B's training
+memory fell from 1.2 TB to 350 GB) only the P_lora adapter parameters have gradients, fp32 masters
+and Adam moments; the P frozen base parameters are held in the dtype each strategy keeps its
+weights in, and nothing else. Per rank, N ranks, bf16 (`--mixed_precision bf16`):
+
+    strategy            base (frozen)   adapters: weights + gradients + optimizer (m, v; fp32 masters)
+    DDP (autocast)      4P              4L + 4L + 8L      the weights stay fp32 masters (autocast)
+    ZeRO-1              2P              2L + 2L + 12L/N   frozen cast to bf16 (`zero.py`)
+    ZeRO-2              2P              2L + 2L/N + 12L/N
+    FSDP by hand        2P/N            4L/N + 4L/N + 8L/N   frozen flats in bf16 (`parallel/frozen.py`)
+    FSDP2 (torch)       4P/N            4L/N + 4L/N + 8L/N   FSDP2 keeps every shard in fp32
+
+so "about 2P + 16 P_lora" is ZeRO's line (and a single GPU's with a bf16 base); FSDP divides even
+the base by N. In fp32 every weight is 4 bytes. CodeLlama-7b, rank 16 on q, k, v, o: L = 16.8M
+(0.25% of P), 16 L = 0.27 GB, against 16 P = 108 GB for a full fine-tune. `lora_params` counts L
+exactly from the config on the meta device, as peft would place the adapters.
+
+Activations are traced on the base model (`trace.py`): LoRA's own saved tensors (the r-wide
+output of each `lora_A`, a few MB) are not in the estimate. The peak's walk (`moments.py`) gets the
+adapters as the trained shape (`trained_shape`).
+"""
+
+import functools
+import math
+
+from minidist.memory import moments
+
+
+@functools.lru_cache(maxsize=32)
+def _lora_rows(config_json: str, config_class, rank: int, targets: str | None) -> tuple:
+    """(dim 0, numel) of every adapter tensor peft would add: A is (r, d_in), B (d_out, r)."""
+    import argparse
+    import json
+
+    import torch
+
+    from minidist import lora
+    from minidist.memory import trace
+
+    args = argparse.Namespace(lora_rank=rank, lora_alpha=None, lora_dropout=None, lora_target_modules=targets)
+    with torch.device("meta"):
+        model = trace.model_class(config_class).from_config(config_class.from_dict(json.loads(config_json)))
+    lora.check_targets(model, args)
+    model = lora.apply(model, args, seed=0)  # meta: nothing is drawn
+    return tuple((p.shape[0], p.numel()) for p in model.parameters() if p.requires_grad)
+
+
+def lora_rows(s, setup) -> tuple:
+    if s.config is None:
+        raise ValueError(f"the shape of {s.name!r} carries no config: build it with model_shape")
+    return _lora_rows(s.config.to_json_string(use_diff=False), type(s.config), setup.lora_rank,
+                      setup.lora_target_modules)
+
+
+def lora_params(s, setup) -> int:
+    """P_lora: the adapters' parameters for this setup's rank and target modules."""
+    return sum(numel for _, numel in lora_rows(s, setup))
+
+
+def trained_rows(s, setup) -> tuple:
+    """(dim 0, numel) of every trained tensor: the adapters with LoRA, else every parameter."""
+    return lora_rows(s, setup) if setup.lora_rank else s.param_rows
+
+
+def trained_shape(s, setup):
+    """The shape `moments.py` walks a step with: under LoRA, for DDP and ZeRO, the adapters alone
+    (their gradients are what backward makes, buckets and steps); the frozen weights are in the
+    model states already. FSDP's units are gathered whole, frozen part included: its walk keeps the
+    model's shape, and so still counts every unit's gradient (in flight, and its fp32 shard) at the
+    size of the whole unit. So under LoRA the FSDP peak is an upper bound, not an estimate:
+    CodeLlama-7b, 4 ranks, rank 16, checkpointing: 12.8 GB, of which 6.9 GB are gradient shards
+    that LoRA does not have (its model states are 3.4 GB). Not measured against a run."""
+    if not setup.lora_rank or setup.strategy == "fsdp":
+        return s
+    from dataclasses import replace
+
+    rows = lora_rows(s, setup)
+    return replace(s, num_params=sum(numel for _, numel in rows), param_rows=rows, tied_params=0)
+
+
+def bucket_bytes(s, setup) -> int:
+    """The gradient buckets of what is trained (every parameter, or LoRA's adapters): DDP's hold a
+    copy of every fp32 gradient (`--ddp_variant naive` has none); ZeRO's largest flat gradient
+    bucket (fp32), one at a time (ZeRO-1) or two (ZeRO-2, one filling, one on the wire)."""
+    k, o = setup.strategy, setup.options
+    trained = [numel for _, numel in trained_rows(s, setup)]
+    if k == "ddp":
+        return 0 if o.impl == "minidist" and o.value("ddp_variant") == "naive" else 4 * sum(trained)
+    if k in ("zero1", "zero2"):
+        return 4 * max(moments.buckets(trained, int(o.value("bucket_cap_mb") * 2**20))) * (2 if k == "zero2" else 1)
+    return 0
+
+
+def model_states(s, setup) -> dict:
+    """Parameters (base and adapters), gradients and optimizer states of one rank under LoRA."""
+    k, n, impl = setup.strategy, setup.world_size, setup.options.impl
+    bf16 = setup.options.mixed_precision == "bf16"
+    rows = lora_rows(s, setup)
+    lora = sum(numel for _, numel in rows)
+    if k == "fsdp" and impl == "torch":  # FSDP2 shards every tensor by rows, in fp32
+        shard = lambda rs: sum(math.ceil(r / n) * (numel // r) for r, numel in rs)  # noqa: E731
+        base, trained = 4 * shard(s.param_rows), shard(rows)
+        return {"parameters": base + 4 * trained, "gradients": 4 * trained,
+                "optimizer_states": 8 * trained + 4 * len(rows)}
+    if k == "fsdp":  # flat shards per unit (`parallel/frozen.py`): frozen in the compute dtype
+        base, trained = (2 if bf16 else 4) * math.ceil(s.num_params / n), math.ceil(lora / n)
+        return {"parameters": base + 4 * trained, "gradients": 4 * trained,
+                "optimizer_states": 8 * trained + 4 * len(rows)}
+    if k == "ddp":  # autocast: fp32 weights, the frozen ones too
+        return {"parameters": 4 * (s.num_params + lora), "gradients": 4 * lora,
+                "optimizer_states": 8 * lora + 4 * len(rows)}
+    # ZeRO-1/2: the model in the compute dtype; fp32 masters and moments of the flat buckets' shards
+    w = 2 if bf16 else 4
+    cap = int(setup.options.value("bucket_cap_mb") * 2**20)
+    buckets = moments.buckets([numel for _, numel in rows], cap)
+    shard = sum(math.ceil(b / n) for b in buckets)
+    padded = sum(math.ceil(b / n) * n for b in buckets)
+    master = 4 * shard if bf16 else 0  # in fp32 the master is a view of the model's own flat
+    return {"parameters": w * (s.num_params + padded),  # the adapters are views of padded flat buffers
+            "gradients": w * (padded if k == "zero1" else shard),
+            "optimizer_states": master + 8 * shard + 4 * len(buckets)}
