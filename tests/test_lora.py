@@ -175,3 +175,31 @@ def test_a_lora_run_stopped_by_sigterm_resumes_bitwise(tiny_model, tmp_path, imp
     assert resumed["losses"] == reference["losses"]  # floats compared exactly
     for name, tensor in reference["parameters"].items():
         assert torch.equal(resumed["parameters"][name], tensor), name
+
+
+@pytest.mark.parametrize("impl,strategy,extra", CASES + [("minidist", "fsdp", ["--mixed_precision", "bf16"])])
+def test_the_estimate_of_lora_model_states_is_what_the_loop_measures(tiny_model, runs, impl, strategy, extra):
+    """Parameters (frozen base and adapters), gradients and AdamW states of the adapters only, per
+    rank (the fullest), as `memory/lora_terms.py` estimates them: within 2%, as tests/test_memory.py
+    holds a full fine-tune."""
+    from minidist.memory import estimator
+
+    results, out = runs
+    argv = argv_for(tiny_model, out, impl, strategy, extra)
+    records = [json.loads(line) for line in (Path(argv[argv.index("--output_dir") + 1]) / "metrics.jsonl")
+               .read_text().splitlines()]
+    measured = records[-1]["memory_bytes"]
+    options = {"bucket_cap_mb": 0.01} if "--bucket_cap_mb" in extra else {}
+    setup = estimator.setup(strategy=strategy, impl=impl, world_size=2, batch_size_per_device=1, max_seq_length=SEQ,
+                            mixed_precision="bf16" if "bf16" in extra else "fp32", gradient_accumulation_steps=2,
+                            layer_wrap_policy="--no_layer_wrap_policy" not in extra,
+                            gradient_checkpointing="--gradient_checkpointing" in extra, lora_rank=RANK,
+                            lora_target_modules="all-linear" if "all-linear" in extra else None, **options)
+    estimate = estimator.model_states(estimator.model_shape(tiny_model), setup)
+    full = estimator.model_states(estimator.model_shape(tiny_model), estimator.setup(**{**setup.options.__dict__},
+                                                                                     world_size=2))
+    for term in ("parameters", "gradients", "optimizer_states"):
+        got, want = max(measured[term]), estimate[term]
+        assert abs(got - want) <= 0.02 * want, f"{term}: measured {got}, estimated {want}"
+    # LoRA's point: gradients and optimizer states a small fraction of a full fine-tune's.
+    assert estimate["gradients"] + estimate["optimizer_states"] < 0.05 * (full["gradients"] + full["optimizer_states"])
