@@ -148,7 +148,8 @@ def _train(args, env) -> dict:
         sampler = data.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
         prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
         # What a checkpoint must share with this run for the resume to be exact (state.verify).
-        run = {"model": state.model_fingerprint(args.model), "strategy": f"{args.impl}/{args.strategy}",
+        run = {"model": state.model_fingerprint(args.model),
+               "strategy": f"{args.impl}/{args.strategy}{lora.fingerprint(args)}",  # LoRA's flags too: lora.py
                "global_batch_size": sampler.global_batch_size, "seed": args.seed, "num_examples": len(sequences)}
         resume = state.verify(state.find(args.resume, args.output_dir), run) if args.resume else None
     except (FileNotFoundError, NotImplementedError, ValueError) as err:

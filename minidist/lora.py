@@ -87,6 +87,15 @@ def check(args, name_or_path: str | None = None) -> None:
             check_targets(AutoModelForCausalLM.from_config(load_config(name_or_path)), args)
 
 
+def fingerprint(args) -> str:
+    """What a checkpoint must share with a run that resumes it (`state.verify`): "" without LoRA."""
+    if not enabled(args):
+        return ""
+    t = targets(args)
+    return (f" + LoRA r={args.lora_rank} alpha={args.lora_alpha or 2 * args.lora_rank} on "
+            f"{t if isinstance(t, str) else ','.join(t)}")
+
+
 def targets(args) -> list[str] | str:
     given = args.lora_target_modules or DEFAULT_TARGETS
     if given.strip() == "all-linear":

@@ -159,7 +159,7 @@ def verify(path: Path, run: dict) -> Path:
                              f"changed since the save); resume from another checkpoint or start afresh "
                              f"without --resume")
     for key, what, fix in (("model", "model", "pass the --model it was trained from"),
-                           ("strategy", "strategy", "resume with the same --impl and --strategy"),
+                           ("strategy", "strategy", "resume with the same --impl, --strategy and --lora_* flags"),
                            ("global_batch_size", "global batch", "keep batch x ranks x accumulation the same"),
                            ("seed", "seed", "pass its --seed"), ("num_examples", "training data", "pass its --data")):
         theirs, ours = meta["run"][key], run[key]

@@ -203,3 +203,15 @@ def test_the_estimate_of_lora_model_states_is_what_the_loop_measures(tiny_model,
         assert abs(got - want) <= 0.02 * want, f"{term}: measured {got}, estimated {want}"
     # LoRA's point: gradients and optimizer states a small fraction of a full fine-tune's.
     assert estimate["gradients"] + estimate["optimizer_states"] < 0.05 * (full["gradients"] + full["optimizer_states"])
+
+
+def test_a_lora_checkpoint_resumed_without_its_lora_flags_is_refused_in_one_line(tiny_model, tmp_path, capsys):
+    common = ["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1",
+              "--max_seq_length", "32", "--batch_size_per_device", "2", "--impl", "minidist", "--strategy", "fsdp",
+              "--no_save"]
+    finetune.main([*common, "--lora_rank", "4", "--save_steps", "1"])
+    for flags, theirs in ([], "minidist/fsdp"), (["--lora_rank", "8"], "minidist/fsdp + LoRA r=8"):
+        status, err = run_here([*common, *flags, "--resume"], capsys)
+        assert status == 2 and "Traceback" not in err
+        assert (f"was written with another strategy (minidist/fsdp + LoRA r=4 alpha=8 on q_proj,k_proj,v_proj,o_proj; "
+                f"this run: {theirs}" in err.strip().splitlines()[-1]), err
