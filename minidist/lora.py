@@ -21,7 +21,8 @@ through the frozen layers: backward needs the frozen weights to pass the gradien
 and FSDP2 skip them, the hand-written DDP and ZeRO put only trainable parameters in their buckets
 (`ddp.py`, `zero.py`), and the hand-written FSDP shards the frozen base in a second flat per unit,
 gathered but never reduce-scattered (`parallel/frozen.py`). Checkpoints then hold the adapter and
-its Adam moments (plus, with PyTorch's strategies, the frozen weights as they are).
+its Adam moments (plus the frozen weights where the checkpoint is PyTorch's `get_state_dict`: both
+DDPs and FSDP2).
 
 **The same adapter on every rank.** Ranks are seeded differently (`finetune.py`), and A is random:
 `apply` draws it under the run's `--seed` alone, in a forked RNG, so every rank (and a

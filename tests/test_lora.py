@@ -98,12 +98,21 @@ def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, refe
         assert bool(rank["frozen"]) == (strategy != "fsdp")
         for name, tensor in rank["frozen"].items():
             assert torch.equal(tensor, ref_state[name]), name
+    records = [json.loads(line) for line in (Path(argv[argv.index("--output_dir") + 1]) / "metrics.jsonl")
+               .read_text().splitlines()]
     if impl == "minidist" and strategy != "fsdp":
         # Only the adapters' gradients are reduced: 2 P_lora (N-1)/N fp32 elements (ZeRO: up to padding).
-        records = [json.loads(line) for line in (Path(argv[argv.index("--output_dir") + 1]) / "metrics.jsonl")
-                   .read_text().splitlines()]
         for r in records:
             assert 0 <= r["comm_bytes"] - 2 * trained * (2 - 1) / 2 * 4 < 2 * 4 * 2 * 64
+    if impl == "minidist" and strategy == "fsdp":
+        # Every unit, frozen flat and trainable flat, gathered twice per micro-batch (2 x 2), but only
+        # the adapters reduce-scattered, once: (4 (P + P_lora) + P_lora) (N-1)/N fp32 elements, up to
+        # the padding of each flat (fewer than N elements). A full fine-tune would send (4 + 1) P.
+        from minidist.memory.estimator import model_shape
+
+        base = model_shape(tiny_model).num_params
+        for r in records:
+            assert 0 <= r["comm_bytes"] - (4 * (base + trained) + trained) * (2 - 1) / 2 * 4 < 5 * 6 * 4
 
 
 def test_fsdp_keeps_the_frozen_base_in_bf16_and_tracks_fp32(tiny_model, references, runs):
