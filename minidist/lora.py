@@ -13,8 +13,8 @@ checks them, and counts what LoRA costs.
 parameter (`memory/estimator.py`). With LoRA only the P_lora adapter parameters are trained: they
 alone have gradients, fp32 masters and Adam moments, and the P frozen base parameters are only
 computed with. So about 2P (a bf16 base) + 16 P_lora; for CodeLlama-7b at rank 16 on q, k, v, o:
-2 x 6.74e9 + 16 x 16.8e6 = 13.5 + 0.27 GB instead of 108 GB (`lora_parameters` counts P_lora
-exactly; `memory/lora_terms.py` puts it in the estimate). Gradients and activations still flow
+2 x 6.74e9 + 16 x 16.8e6 = 13.5 + 0.27 GB instead of 108 GB (`memory/lora_terms.py` counts
+P_lora exactly and puts it in the estimate). Gradients and activations still flow
 through the frozen layers: backward needs the frozen weights to pass the gradient down.
 
 **Under every strategy.** Frozen parameters are never reduced and never stepped: PyTorch's DDP
@@ -147,16 +147,6 @@ def is_peft(model: nn.Module) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
-
-
-def lora_parameters(model: nn.Module, args) -> int:
-    """P_lora: r (d_in + d_out) for every target linear layer of `model` (a meta-device model does),
-    counted the way peft picks its targets, without building the adapters."""
-    from peft import get_peft_model
-
-    with torch.device("meta"):
-        peft_model = get_peft_model(model, config(args))
-    return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
 
 
 def save_adapter(model: nn.Module, folder, state_dict: dict, dtype: torch.dtype) -> None:

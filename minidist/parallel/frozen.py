@@ -12,7 +12,12 @@ A unit (`unit.py`) therefore lays its parameters out in two flats, each by its o
                that does not require grad; it has no gradient, so nothing is reduced for it
 
 Both are gathered before the unit's forward and again before its backward (backward needs the
-frozen weights to pass the gradient down to the layer's input), and freed together. Frozen
+frozen weights to pass the gradient down to the layer's input), and freed together when the
+trainable flat's gradient has arrived (`Unit._post_backward`). That is late enough: autograd runs
+ready operations latest-created first, and the split that makes the trainable views is created
+before any of the layer's own operations, so its gradient comes after every backward operation
+of the layer that reads a frozen weight (the parity tests would see a weight read after its
+storage was freed). A unit with no trainable parameters stays gathered until backward ends. Frozen
 weights are not in `flats()` either: checkpoints hold the trainable state only, and a resumed
 run reads the frozen base from the model folder, as the first run did.
 
