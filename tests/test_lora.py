@@ -224,3 +224,30 @@ def test_a_lora_checkpoint_resumed_without_its_lora_flags_is_refused_in_one_line
         assert status == 2 and "Traceback" not in err
         assert (f"was written with another strategy (minidist/fsdp + LoRA r=4 alpha=8 on q_proj,k_proj,v_proj,o_proj; "
                 f"this run: {theirs}" in err.strip().splitlines()[-1]), err
+
+
+def test_codellama_lora_numbers_to_know():
+    """P_lora at rank 16 is r (d_in + d_out) per target layer, 32 layers; model states about 2P + 16 P_lora."""
+    from minidist.memory import estimator, lora_terms
+
+    shape = estimator.model_shape("codellama/CodeLlama-7b-hf")  # the bundled config
+    attention = estimator.setup(strategy="zero1", world_size=1, lora_rank=16)
+    assert lora_terms.lora_params(shape, attention) == 32 * 4 * 16 * (4096 + 4096) == 16_777_216
+    every = estimator.setup(strategy="zero1", world_size=1, lora_rank=16, lora_target_modules="all-linear")
+    assert lora_terms.lora_params(shape, every) == 16_777_216 + 32 * 3 * 16 * (4096 + 11008) == 39_976_960
+    states = sum(estimator.model_states(shape, attention).values())
+    assert abs(states - (2 * shape.num_params + 16 * 16_777_216)) < 1e-3 * states  # 13.75 GB, not 108
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--lora_rank", "0"], "--lora_rank must be at least 1, got 0"),
+    (["--lora_rank", "16", "--lora_target_modules", "c_attn"], "has no linear layer named c_attn"),
+])
+def test_the_memory_command_takes_lora_flags_and_refuses_bad_ones_in_one_line(capsys, argv, expected):
+    from minidist.memory.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["codellama/CodeLlama-7b-hf", *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert expected in err.strip().splitlines()[-1], err
