@@ -95,6 +95,18 @@ class ByteCounter:
 
 
 counter = ByteCounter()  # one per process: each rank counts what it sends
+SPLIT_KEYS = ("comm_bytes", "comm_bytes_within_node", "comm_bytes_across_nodes", "comm_bytes_across_nodes_by_rank")
+
+
+def take_split(group, device) -> dict:
+    """``counter.take_split()``, and what every rank of ``group`` sent across nodes, by rank
+    (``comm_bytes_across_nodes_by_rank``): a ring crosses nodes on a few of its ranks only, and
+    its slowest link paces it. Every rank must call it (an all-gather of one number, not counted)."""
+    taken = counter.take_split()
+    across = torch.tensor([taken["comm_bytes_across_nodes"]], dtype=torch.float64, device=device)
+    by_rank = [torch.zeros_like(across) for _ in range(_world(group))]
+    dist.all_gather(by_rank, across, group=group)
+    return {**taken, "comm_bytes_across_nodes_by_rank": [t.item() for t in by_rank]}
 
 
 def _world(group) -> int:

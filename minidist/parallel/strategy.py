@@ -95,12 +95,12 @@ class Strategy:
     def take_comm_bytes(self, split: bool = False) -> float | dict | None:
         """Bytes this rank sent for gradients and parameters since the last call (the count then
         starts again), counted by `comm.py` under the ring algorithm; None for PyTorch's own
-        strategies, which do not go through `comm.py`. split=True: a dict of the total
-        (`comm_bytes`) and its parts within this rank's node and across nodes (None each for torch)."""
-        if not split:
-            return comm.counter.take() if self.options.impl == "minidist" else None
-        taken = comm.counter.take_split()
-        return taken if self.options.impl == "minidist" else dict.fromkeys(taken)
+        strategies, which do not go through `comm.py`. split=True (every rank must call it then):
+        a dict of the total, its parts within a node and across nodes, and every rank's bytes across
+        nodes (`comm.take_split`); None in each for torch."""
+        if self.options.impl != "minidist":
+            return dict.fromkeys(comm.SPLIT_KEYS) if split else None
+        return comm.take_split(self.mesh.group, self.env.device) if split else comm.counter.take()
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
