@@ -31,6 +31,14 @@ saving one all-gather of it; here every unit follows the same four steps.) With 
 accumulation, `no_sync()` micro-batches keep their full gradients (no reduce-scatter), but still
 gather each unit twice: (2k + 1)P(N-1)/N for k micro-batches.
 
+**Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at
+the same place on every node), the units are sharded over `process_group`, the S ranks of a node,
+and the R nodes each hold a copy. Gathers and reduce-scatters stay within the node. When a unit's
+reduce-scatter is waited for (at the next unit's post-backward), its gradient shard's all-reduce
+over the copies is launched, asynchronously, and waited for one unit later (or when backward
+ends). The gradient is divided by all R x S ranks. Loading scatters rank 0's weights over node 0 and broadcasts each shard from
+there to the other copies. Bytes per rank: 3P(S-1)/S within the node, 2(P/S)(R-1)/R across.
+
 **Prefetch.** While unit i computes, unit i+1's all-gather is already in flight (launched
 asynchronously from unit i's pre-forward hook), and in backward unit i-1's while unit i computes.
 So at most three units are gathered at once: the root, the running unit and the next one
