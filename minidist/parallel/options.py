@@ -21,11 +21,12 @@ home ready (a `cpu_offload` field, for the FSDPs to read); it is not built yet, 
 import argparse
 from dataclasses import dataclass, field, fields
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")  # over one group of all the ranks (lesson 00's tables go over these)
+HYBRID = ("hsdp",)  # FSDP within each node, its copies across nodes (mesh.py)
 IMPLEMENTATIONS = ("minidist", "torch")
 DTYPES = ("fp32", "bf16")
 DDP_VARIANTS = ("bucketed", "naive")
-EVERY = ("minidist", "torch"), STRATEGIES  # (implementations, strategies) an option applies to
+EVERY = ("minidist", "torch"), STRATEGIES + HYBRID  # (implementations, strategies) an option applies to
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
 # Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them,
@@ -44,7 +45,7 @@ def _option(default, help, choices=None, applies=EVERY, flag_type=None):
 class ParallelOptions:
     """How the model is spread over the ranks and how it computes: every parallel option of a run."""
 
-    strategy: str = _option("fsdp", "how the model states are spread over the ranks", STRATEGIES)
+    strategy: str = _option("fsdp", "how the model states are spread over the ranks", STRATEGIES + HYBRID)
     impl: str = _option("torch", "minidist (by hand) or torch (PyTorch's own, the reference)", IMPLEMENTATIONS)
     layer_wrap_policy: bool = _option(True, "FSDP: one unit per decoder layer (off: the whole model is one unit)",
                                       applies=(IMPLEMENTATIONS, ("fsdp", "hsdp")))
@@ -53,7 +54,7 @@ class ParallelOptions:
     mixed_precision: str = _option("fp32", "the compute dtype of forward and backward (masters stay fp32)", DTYPES)
     gradient_checkpointing: bool = _option(False, "recompute each decoder layer in backward instead of saving it")
     reduce_dtype: str | None = _option(None, "the dtype gradients are summed in (default fp32)", DTYPES,
-                                       (("minidist",), STRATEGIES))
+                                       (("minidist",), STRATEGIES + HYBRID))
     bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB (default 25)",
                                           applies=(("minidist",), ("ddp", "zero1", "zero2")), flag_type=float)
     ddp_variant: str | None = _option(None, "bucketed (the default) or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
