@@ -157,3 +157,8 @@ def test_the_estimate_of_hsdp_is_fsdp_on_its_shard_group_plus_the_all_reduce():
         # One node (no --hsdp_shard_size): no copies, exactly fsdp on all the ranks.
         one = estimator.estimate(shape, estimator.setup(strategy="hsdp", impl=impl, world_size=4, **sizes))
         assert one == f
+
+
+def test_launch_refuses_nodes_that_do_not_divide_the_ranks():
+    with pytest.raises(ValueError, match="needs nodes that divide the 4 ranks equally, got nodes=3"):
+        launch(one_step_bytes, 4, "unused", [], nodes=3)
