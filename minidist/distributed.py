@@ -97,7 +97,7 @@ class DistEnv:
 
 
 _env: DistEnv | None = None  # set by init_distributed, read by get_env
-_meshes: dict = {}  # device_mesh(): one 1-D mesh per device type, released by cleanup
+_meshes: dict = {}  # device_mesh(): one mesh per device type and shape, released by cleanup
 
 
 def find_free_port() -> int:
@@ -256,14 +256,15 @@ def get_env() -> DistEnv:
                    int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device, dist.get_backend())
 
 
-def device_mesh():
-    """A 1-D ``DeviceMesh`` of all ranks, for FSDP2 and DCP; made once, released by ``cleanup``."""
+def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
+    """A ``DeviceMesh`` of all ranks for FSDP2 and DCP, 1-D by default (HSDP's is 2-D: `parallel/mesh.py`);
+    made once per device type and shape, released by ``cleanup``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = get_env().device.type
-    if device_type not in _meshes:
-        _meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _meshes[device_type]
+    device_type, shape = get_env().device.type, shape or (dist.get_world_size(),)
+    if (device_type, shape) not in _meshes:  # every rank asks for the same meshes in the same order
+        _meshes[device_type, shape] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _meshes[device_type, shape]
 
 
 def cleanup() -> None:

@@ -35,7 +35,6 @@ from minidist import data, evaluate, final_model, lora, metrics, model_folder, m
 from minidist.distributed import cleanup, init_distributed
 from minidist.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
-from minidist.parallel.mesh import data_parallel_mesh
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
 
@@ -132,14 +131,14 @@ def train(args) -> dict:
 
 
 def _train(args, env) -> dict:
-    mesh = data_parallel_mesh()  # today every rank is a data-parallel rank (see mesh.py)
     torch.manual_seed(args.seed + env.rank)  # ranks differ on purpose: wrapping must make them agree
     if not env.is_main:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
     try:  # everything a learner can get wrong, checked before the expensive model load
-        strategy = get_strategy(ParallelOptions.from_args(args), env, mesh)
+        strategy = get_strategy(ParallelOptions.from_args(args), env)
+        mesh = strategy.mesh  # every rank is a data-parallel rank; hsdp: shard x replicate groups (mesh.py)
         args.model = models.resolve(args.model)
         model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
         lora.check(args, args.model)  # its flags, and target modules this model has
@@ -230,7 +229,8 @@ def _train(args, env) -> dict:
                   # the whole step's peak on the rank that used most (None: a CPU step not traced)
                   "peak_memory_bytes": None if None in memory["peak"] else max(memory["peak"]),
                   "memory_bytes": memory,  # per rank, lists by rank
-                  "comm_bytes": strategy.take_comm_bytes()}  # sent by this rank in the step; None for --impl torch
+                  # sent by this rank in the step, in all and within/across nodes (comm.py); None for --impl torch
+                  **strategy.take_comm_bytes(split=True)}
         peak = metrics.peak_flops(env.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
             mean_len = tokens / len(global_ids)

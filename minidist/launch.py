@@ -61,7 +61,7 @@ class RankFailed(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{traceback}")
 
 
-def _worker(rank, world_size, port, environ, conn, fn, args, kwargs):
+def _worker(rank, world_size, port, environ, conn, fn, args, kwargs, nodes=1):
     """Body of each child: become rank `rank` the way torchrun would, run fn, report."""
     # The caller's environment at launch(), not the fork server's (from when the server started).
     os.environ.clear()
@@ -73,11 +73,14 @@ def _worker(rank, world_size, port, environ, conn, fn, args, kwargs):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # Override rather than inherit: a notebook inside a SLURM allocation may carry
     # MASTER_ADDR etc. pointing at another node.
+    per_node = world_size // nodes  # simulated nodes: consecutive ranks, as torchrun numbers them
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(rank // per_node),  # torchrun's name for the node's index
+        NNODES=str(nodes),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
@@ -119,8 +122,14 @@ def _stop(procs: list, grace_s: float = _GRACE_S) -> None:
             p.join()
 
 
-def launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
+def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: int = 1, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks; return the results by rank.
+
+    ``nodes`` > 1 pretends the ranks run on that many machines, ``world_size / nodes`` each: every
+    rank gets the LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK torchrun would set on node
+    ``rank // (world_size / nodes)``, so hybrid sharding (`--strategy hsdp`) finds its shard
+    groups within a "node" and the byte counter (`parallel/comm.py`) tells what crosses nodes.
+    They still all run on this machine and talk over its loopback.
 
     Each rank is a fresh process (forked from the fork server, with the caller's environment)
     in a gloo process group (``init_distributed`` is called for you, ``cleanup`` after). If a rank raises or dies, ``RankFailed`` is raised with its
@@ -129,6 +138,8 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs)
     """
     if world_size < 1:
         raise ValueError(f"launch() needs world_size >= 1 ranks, got {world_size}.")
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"launch() needs nodes that divide the {world_size} ranks equally, got nodes={nodes}.")
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(
             f"launch() starts fresh processes that import {fn.__name__!r} by name, which is "
@@ -154,7 +165,7 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs)
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, dict(os.environ), writer, fn, args, kwargs),
+                args=(rank, world_size, port, dict(os.environ), writer, fn, args, kwargs, nodes),
                 name=f"minidist-rank{rank}",
             )
             p.start()

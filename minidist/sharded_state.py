@@ -12,6 +12,7 @@ them. This module turns them into the two forms:
   rank's piece and records where it sits, so another number of ranks reads back the slices it
   owns. For this to line up, a flat is cut as `torch.chunk` cuts: ceil(numel / N) elements per
   rank, the last ones shorter (the zero padding is not saved), which is exactly `FlatLayout`'s.
+  Under HSDP the shard is placed (Replicate(), Shard(0)) on the 2-D (replicate, shard) mesh.
 
 Loading reverses it: the full form scatters the flats from rank 0; the sharded form lets DCP fill
 the DTensors and copies them into the shards. Then `refresh_weights()`: ZeRO's model all-gathers
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.parallel.flat import gather_flat, scatter_flat
+from minidist.parallel.mesh import broadcast_from_first_copy
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -31,13 +33,14 @@ def _keyed(model) -> list:
     return [(f"flat{i}.{flat.key}", flat) for i, flat in enumerate(model.flats())]
 
 
-def _dtensor(layout, shard: torch.Tensor, device_mesh, rank: int):
-    """This rank's shard as its piece of the whole (unpadded) flat, for DCP."""
-    from torch.distributed.tensor import DTensor, Shard
+def _dtensor(layout, shard: torch.Tensor, mesh):
+    """This rank's shard as its piece of the whole (unpadded) flat, for DCP; under HSDP placed
+    (Replicate(), Shard(0)) on the 2-D mesh: DCP writes one copy and reads into every copy."""
+    from torch.distributed.tensor import DTensor
 
-    local = shard.detach()[:layout.valid(rank)]
-    return DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False, shape=torch.Size([layout.numel]),
-                              stride=(1,))
+    local = shard.detach()[:layout.valid(mesh.shard_rank)]
+    return DTensor.from_local(local, mesh.shard_device_mesh(), mesh.placements(), run_check=False,
+                              shape=torch.Size([layout.numel]), stride=(1,))
 
 
 def _ensure_state(optimizer, flats) -> None:
@@ -69,12 +72,11 @@ def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]
         if not env.is_main:
             return {}, {}
         return weights, {"flats": optim, "lr": lr}
-    device_mesh, rank = mesh.shard_device_mesh(), mesh.shard_rank
-    model_sd = {key: _dtensor(flat.layout, flat.shard, device_mesh, rank) for key, flat in flats}
+    model_sd = {key: _dtensor(flat.layout, flat.shard, mesh) for key, flat in flats}
     optim = {}
     for key, flat in flats:
         state = optimizer.state[flat.shard]
-        optim[key] = {**{m: _dtensor(flat.layout, state[m], device_mesh, rank) for m in MOMENTS},
+        optim[key] = {**{m: _dtensor(flat.layout, state[m], mesh) for m in MOMENTS},
                       "step": state["step"]}
     return model_sd, {"flats": optim, "lr": lr}
 
@@ -88,10 +90,12 @@ def set_state_dict(model, optimizer, model_sd: dict, optim_sd: dict, full: bool,
         if full:
             names = [n[0] for n in flat.names]
             whole = layout.flatten([model_sd[n] for n in names], torch.float32) if env.is_main else None
-            scatter_flat(layout, whole, flat.shard, group)
             saved = optim_sd["flats"].get(key, {}) if env.is_main else {}
-            for m in MOMENTS:
-                scatter_flat(layout, saved.get(m), state[m], group)
+            if mesh.replicate_rank == 0:  # HSDP: rank 0 scatters to its own node; the copies get them from there
+                scatter_flat(layout, whole, flat.shard, group)
+                for m in MOMENTS:
+                    scatter_flat(layout, saved.get(m), state[m], group)
+            broadcast_from_first_copy([flat.shard] + [state[m] for m in MOMENTS], mesh.replicate_group)
             step = (saved["step"].float().reshape(1) if env.is_main else torch.zeros(1)).to(flat.shard.device)
             dist.broadcast(step, src=0)
             state["step"] = step.reshape(()).cpu()

@@ -86,6 +86,13 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--model", "{config_only}"], "error: model folder '{config_only}' has no tokenizer"),
     (["--model", "{hidden_0}"], "error: the config of '{hidden_0}' says hidden_size: 0"),
     (["--model", "{heads_3}"], "error: the config of '{heads_3}' cannot be a model"),
+    # Hybrid sharding: a shard size that cannot cut the ranks into copies, or a flag without hsdp.
+    (["--strategy", "hsdp", "--hsdp_shard_size", "2"], "error: --hsdp_shard_size must divide the 1 ranks into equal "
+                                                       "groups, got 2"),
+    (["--strategy", "hsdp", "--hsdp_shard_size", "0"], "error: --hsdp_shard_size must be at least 1, got 0"),
+    (["--strategy", "fsdp", "--hsdp_shard_size", "1"], "error: --hsdp_shard_size only applies to --impl minidist or "
+                                                       "torch with --strategy hsdp, not torch/fsdp"),
+    (["--strategy", "hsdp", "--hsdp_shard_size", "two"], "error: argument --hsdp_shard_size: invalid int value: 'two'"),
 ]
 
 
@@ -133,10 +140,14 @@ MEMORY = [
     (["{hidden_0}"], "minidist.memory: error: the config of '{hidden_0}' says hidden_size: 0"),
     (["{heads_3}"], "minidist.memory: error: the config of '{heads_3}' cannot be a model"),
     (["some-org/not-cached"], "minidist.memory: error: could not load 'some-org/not-cached': it is not in the hub cache"),
+    (["tiny", "--strategy", "hsdp", "--world_size", "8", "--hsdp_shard_size", "3"],
+     "minidist.memory: error: --hsdp_shard_size must divide the 8 ranks into equal groups, got 3"),
+    (["tiny", "--strategy", "ddp", "--hsdp_shard_size", "2"],
+     "minidist.memory: error: --hsdp_shard_size only applies to --impl minidist or torch with --strategy hsdp"),
 ]
 
 
-@pytest.mark.parametrize("argv,expected", MEMORY, ids=[a[0] for a, _ in MEMORY])
+@pytest.mark.parametrize("argv,expected", MEMORY, ids=[" ".join(a) for a, _ in MEMORY])
 def test_memory(bad, capsys, monkeypatch, argv, expected):
     if "/" in argv[0] and not argv[0].startswith("{"):  # a hub name: as on a compute node, whatever this machine reaches
         monkeypatch.setattr("minidist.hub.reachable", lambda: False)

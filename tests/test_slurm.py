@@ -57,6 +57,10 @@ LESSONS = {
     "08_checkpoints": {"args": FINETUNE_ARGS + ["--save_steps", "1"], "latest": "checkpoint-2",
                        "log": ["lesson 08: sharded checkpoints", "torch/fsdp on 2 x cpu", "step    2/2"]},
     "09_capstone": {"log": ["lesson 09 (capstone): torch/fsdp", "torch/fsdp on 2 x cpu", "step    2/2"]},
+    # Two nodes (its own #SBATCH --nodes=2) x 2 ranks, two runs in OUTPUT_DIR/fsdp and OUTPUT_DIR/hsdp.
+    "10_multinode": {"trains": False, "log": ["lesson 10 (more than one node): flat FSDP, then HSDP, on 2 node(s)",
+                                              "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
+                                              "fsdp step 2: rank 0 sent", "hsdp step 2: rank 0 sent"]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
 
@@ -149,6 +153,20 @@ def test_every_lesson_script_runs_under_slurm(jobs, script):
         assert (jobs.outs[script.stem] / "latest").read_text() == lesson["latest"] + "\n"
 
 
+def test_the_two_node_lesson_sends_less_across_nodes_with_hsdp(jobs):
+    """slurm/10_multinode.sh on 2 nodes x 2 ranks: flat FSDP's ring crosses nodes on ranks 1 and 3,
+    which send all of theirs across; under HSDP every rank sends only its shard's all-reduce across."""
+    [(record, log)] = jobs.wait("10_multinode")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    runs = {s: [json.loads(line) for line in (jobs.outs["10_multinode"] / s / "metrics.jsonl").read_text().splitlines()]
+            for s in ("fsdp", "hsdp")}
+    assert [r["step"] for r in runs["fsdp"]] == [r["step"] for r in runs["hsdp"]] == [1, 2]
+    for flat, hybrid in zip(runs["fsdp"], runs["hsdp"]):
+        assert flat["comm_bytes_across_nodes_by_rank"][0] == 0 < flat["comm_bytes_across_nodes_by_rank"][1]
+        assert len(set(hybrid["comm_bytes_across_nodes_by_rank"])) == 1
+        assert max(hybrid["comm_bytes_across_nodes_by_rank"]) < max(flat["comm_bytes_across_nodes_by_rank"])
+
+
 def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
     [(record, log)] = jobs.wait("one-node")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
@@ -173,7 +191,8 @@ def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
     first, second = starts(log)
     head = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()[0]
     assert f"2 node(s) x 1 GPUs, rendezvous {head}:" in first
-    assert "torch/fsdp on 2 x cpu" in first
+    # More than one node and no strategy asked for: hybrid sharding, one rank per copy here.
+    assert "2 nodes: hybrid sharding (--strategy hsdp)" in first and "torch/hsdp on 2 x cpu" in first
     out = jobs.outs["preempted"]
     assert "USR1: the time limit is near; asking the training to save and stop" in first
     assert first.count("stopped by SIGUSR1 after step 3: saved") == 1, first

@@ -23,7 +23,7 @@ What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradi
 when it wraps the model, 4P (`ddp.py`'s gradients become views of its buckets, as with PyTorch's
 `gradient_as_bucket_view=True`). ZeRO packs flat buckets as `zero.py` does. FSDP gathers the root
 unit (embeddings, final norm, output layer) and a layer with the next one prefetched; without the
-layer wrap policy the one unit is the whole model. When each is alive: `moments.py`.
+layer wrap policy the one unit is the whole model. When each is alive: `moments.py`. HSDP: `hybrid.py`.
 
 **Activations**: what autograd saves for backward, traced, not derived (`trace.py`): the model's
 forward and the loop's loss on fake tensors (shapes, no data) under saved-tensor hooks, each
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.memory import cache, lora_terms, moments, trace
+from minidist.memory import cache, hybrid, lora_terms, moments, trace
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
@@ -153,10 +153,8 @@ class Setup:
 
 
 def setup(**flags) -> Setup:
-    """A Setup named as `minidist.finetune`'s flags: `setup(strategy="ddp", world_size=4)`.
-
-    The options not given are ParallelOptions' defaults, except bf16, as on the GPUs. zero1 and
-    zero2 exist only by hand, so for them `impl` is minidist whatever was asked."""
+    """A Setup named as `minidist.finetune`'s flags: `setup(strategy="ddp", world_size=4)`. The options
+    not given are ParallelOptions' defaults, except bf16 (as on the GPUs); zero1 and zero2: minidist's."""
     sizes = {f.name: flags.pop(f.name) for f in fields(Setup) if f.name in flags}
     options = {"mixed_precision": "bf16", **flags}
     if options.get("strategy") in ("zero1", "zero2"):
@@ -255,8 +253,9 @@ def buffers(s: Shape, setup: Setup) -> dict:
 def estimate(s: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
+    extra, setup = hybrid.all_reduce_buffer(s, setup), hybrid.as_fsdp(setup)  # HSDP: FSDP on S ranks, plus
     states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
-    at = moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts)  # LoRA: its gradients only
+    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts), extra)
     peak = max(sum(terms.values()) for terms in at.values())
     bufs["optimizer_step"] = at["step"]["optimizer step temporary"]  # AdamW's, as the step makes it
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
@@ -266,7 +265,9 @@ def estimate(s: Shape, setup: Setup) -> dict:
 
 def peak_moment(s: Shape, setup: Setup) -> tuple[str, dict]:
     """The moment of the step where the peak falls, and what is alive then (`moments.py`)."""
-    at = moments.moments(lora_terms.trained_shape(s, setup), setup, model_states(s, setup), activations(s, setup))
+    extra, setup = hybrid.all_reduce_buffer(s, setup), hybrid.as_fsdp(setup)
+    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, model_states(s, setup),
+                                               activations(s, setup)), extra)
     name = max(at, key=lambda m: sum(at[m].values()))
     return name, at[name]
 

@@ -31,6 +31,19 @@ may send more: on CPU, gloo's reduce-scatter sends 2(N-1)/N x S, as much as its 
 ``ring_all_reduce`` then does the same all-reduce by hand with point-to-point ``send``/``recv``,
 to show there is no magic in the library call.
 
+**Within a node and across nodes.** On more than one node the links differ: NVLink inside a
+node (hundreds of GB/s per GPU), InfiniBand between nodes (12 to 25 GB/s per GPU). So the counter
+also says how many of a rank's bytes cross to another node. Its rule is the ring's: a rank sends
+every chunk to its right neighbour, the next rank of the group (in group order, which is node
+order: ranks of a node are consecutive), so *all* of what a rank sends in a collective crosses
+nodes if that neighbour is on another node, and none of it does otherwise. Node = global rank //
+ranks per node (`LOCAL_WORLD_SIZE`). Over a group of N = R x S ranks on R nodes (flat FSDP) the
+ring crosses R times: R of the N ranks send all of their 3P(N-1)/N across, the others nothing,
+and the collective runs at the pace of those R inter-node links (NCCL builds its rings the same
+way, crossing each node boundary once per ring). HSDP (`fsdp.py`, `mesh.py`) keeps the gathers
+and the reduce-scatter within a node, and every rank sends across nodes only the all-reduce of its
+gradient shard over the R copies: 2(P/S)(R-1)/R elements.
+
 On one rank there is nothing to send: the three wrappers copy locally (an all-reduce does
 nothing) and skip the library, as PyTorch's FSDP2 does, so that a one-rank benchmark times the
 strategy's own work and not a library round trip.
@@ -43,7 +56,8 @@ import torch.distributed as dist
 
 
 class ByteCounter:
-    """Bytes this rank would send under the ring algorithm, summed since the last ``take``.
+    """Bytes this rank would send under the ring algorithm, summed since the last ``take``, in
+    all and the part of them that crosses to another node (see "Within a node and across nodes").
 
     The fractions (N-1)/N are kept exact (``Fraction``), so a step's total equals the formula
     2·P·(N-1)/N x bytes exactly, not up to rounding, even when collectives run over groups of
@@ -54,11 +68,15 @@ class ByteCounter:
         self.reset()
 
     def reset(self) -> None:
-        self._sent = Fraction(0)
+        self._sent = self._across = Fraction(0)
 
-    def add(self, rounds: int, nbytes: int, world_size: int) -> None:
-        """``rounds`` ring rounds (N-1 or 2(N-1)) over a group of N ranks, each sending 1/N of ``nbytes``."""
-        self._sent += Fraction(rounds * nbytes, world_size)
+    def add(self, rounds: int, nbytes: int, world_size: int, across_nodes: bool = False) -> None:
+        """``rounds`` ring rounds (N-1 or 2(N-1)) over a group of N ranks, each sending 1/N of ``nbytes``;
+        ``across_nodes``: the right neighbour of this rank in the group is on another node."""
+        sent = Fraction(rounds * nbytes, world_size)
+        self._sent += sent
+        if across_nodes:
+            self._across += sent
 
     @property
     def bytes_sent(self) -> float:
@@ -66,16 +84,43 @@ class ByteCounter:
 
     def take(self) -> float:
         """The bytes counted since the last ``take``; the count starts again from zero."""
-        sent = self.bytes_sent
+        return self.take_split()["comm_bytes"]
+
+    def take_split(self) -> dict:
+        """``take``, with the bytes within this rank's node and across nodes (they add up to the total)."""
+        split = {"comm_bytes": float(self._sent), "comm_bytes_within_node": float(self._sent - self._across),
+                 "comm_bytes_across_nodes": float(self._across)}
         self.reset()
-        return sent
+        return split
 
 
 counter = ByteCounter()  # one per process: each rank counts what it sends
+SPLIT_KEYS = ("comm_bytes", "comm_bytes_within_node", "comm_bytes_across_nodes", "comm_bytes_across_nodes_by_rank")
+
+
+def take_split(group, device) -> dict:
+    """``counter.take_split()``, and what every rank of ``group`` sent across nodes, by rank
+    (``comm_bytes_across_nodes_by_rank``): a ring crosses nodes on a few of its ranks only, and
+    its slowest link paces it. Every rank must call it (an all-gather of one number, not counted)."""
+    taken = counter.take_split()
+    across = torch.tensor([taken["comm_bytes_across_nodes"]], dtype=torch.float64, device=device)
+    by_rank = [torch.zeros_like(across) for _ in range(_world(group))]
+    dist.all_gather(by_rank, across, group=group)
+    return {**taken, "comm_bytes_across_nodes_by_rank": [t.item() for t in by_rank]}
 
 
 def _world(group) -> int:
     return dist.get_world_size(group)
+
+
+def crosses_nodes(group=None) -> bool:
+    """Whether this rank's right neighbour on the ring of `group` sits on another node."""
+    from minidist.distributed import get_env
+
+    n, per_node = _world(group), get_env().local_world_size
+    right = (dist.get_rank(group) + 1) % n
+    right = dist.get_global_rank(group, right) if group is not None else right
+    return right // per_node != dist.get_rank() // per_node
 
 
 class _Done:
@@ -94,7 +139,7 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     n = _world(group)
     if n == 1:
         return _local(async_op)
-    counter.add(2 * (n - 1), tensor.numel() * tensor.element_size(), n)
+    counter.add(2 * (n - 1), tensor.numel() * tensor.element_size(), n, crosses_nodes(group))
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -130,7 +175,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
     if n == 1:
         output.copy_(input)
         return _local(async_op)
-    counter.add(n - 1, input.numel() * input.element_size(), n)
+    counter.add(n - 1, input.numel() * input.element_size(), n, crosses_nodes(group))
     if input_is_scratch and dist.get_backend(group) == "gloo":
         work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
         handle = _ShardAfter(work, output, input.view(n, -1)[dist.get_rank(group)])
@@ -149,7 +194,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     if n == 1:
         output.copy_(shard)
         return _local(async_op)
-    counter.add(n - 1, output.numel() * output.element_size(), n)
+    counter.add(n - 1, output.numel() * output.element_size(), n, crosses_nodes(group))
     return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
@@ -195,7 +240,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
         requests = [dist.isend(outgoing, right, group=group), dist.irecv(incoming, left, group=group)]
         for request in requests:
             request.wait()
-        counter.add(n, outgoing.numel() * outgoing.element_size(), n)  # exactly what went out
+        counter.add(n, outgoing.numel() * outgoing.element_size(), n, crosses_nodes(group))  # what went out
         if reduce:
             chunks[recv_index].add_(incoming)
         else:

@@ -32,19 +32,21 @@ reduced); FSDP1 needed `use_orig_params=True` for a unit that mixes the two.
 import torch
 
 from minidist.parallel import comm
-from minidist.parallel.flat import FlatLayout, scatter_flat
+from minidist.parallel.flat import FlatLayout
 
 
 class FrozenFlat:
     """One unit's frozen parameters: a shard in the compute dtype, and the full flat while gathered."""
 
-    def __init__(self, params: list, dtype: torch.dtype, group, world_size: int, rank: int, device: torch.device):
+    def __init__(self, params: list, dtype: torch.dtype, group, world_size: int, rank: int, device: torch.device,
+                 load):
         self.layout = FlatLayout(params, world_size, rank)
         self.group = group
-        # Rank 0 flattens its weights and sends shard r to rank r (the others may hold meta tensors).
-        whole = self.layout.flatten(params, torch.float32) if rank == 0 else None
+        # `load(layout, out)` is the unit's own loading (`unit.load_shard`): rank 0 flattens its
+        # weights and sends shard r to rank r (the others may hold meta tensors), and under HSDP
+        # the other copies receive theirs from the first.
         self.shard = torch.empty(self.layout.shard_numel, dtype=dtype, device=device)
-        scatter_flat(self.layout, whole, self.shard, group=group)
+        load(self.layout, self.shard)
         self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
         self.free()
         self.handle = None

@@ -31,6 +31,14 @@ saving one all-gather of it; here every unit follows the same four steps.) With 
 accumulation, `no_sync()` micro-batches keep their full gradients (no reduce-scatter), but still
 gather each unit twice: (2k + 1)P(N-1)/N for k micro-batches.
 
+**Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at
+the same place on every node), the units are sharded over `process_group`, the S ranks of a node,
+and the R nodes each hold a copy. Gathers and reduce-scatters stay within the node. When a unit's
+reduce-scatter is waited for (at the next unit's post-backward), its gradient shard's all-reduce
+over the copies is launched, asynchronously, and waited for one unit later (or when backward
+ends). The gradient is divided by all R x S ranks. Loading scatters rank 0's weights over node 0 and broadcasts each shard from
+there to the other copies. Bytes per rank: 3P(S-1)/S within the node, 2(P/S)(R-1)/R across.
+
 **Prefetch.** While unit i computes, unit i+1's all-gather is already in flight (launched
 asynchronously from unit i's pre-forward hook), and in backward unit i-1's while unit i computes.
 So at most three units are gathered at once: the root, the running unit and the next one
@@ -53,9 +61,11 @@ single process on the whole batch and finds the same losses and weights.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from minidist.parallel.flat import Flat, clip_sharded_grad_norm_, gather_parameters
+from minidist.parallel.mesh import broadcast_from_first_copy
 from minidist.parallel.precision import MixedPrecision
 from minidist.parallel.unit import Unit
 from minidist.parallel.wrapper import DataParallelWrapper
@@ -68,11 +78,15 @@ class FullyShardedDataParallel(DataParallelWrapper):
     `model.parameters()` steps each rank's shard only."""
 
     def __init__(self, module: nn.Module, unit_classes=(), mixed_precision: MixedPrecision = MixedPrecision(),
-                 device: torch.device | None = None, process_group=None):
+                 device: torch.device | None = None, process_group=None, replicate_group=None):
         super().__init__(module, process_group)
         self.mp = mixed_precision
         device = device or torch.device("cpu")
-        self.in_backward, self.pending = False, []
+        # HSDP: the copies of each shard, one per node (mesh.py); none: FSDP over `process_group` alone.
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.replicate_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
+        self.in_backward, self.pending, self.replicating = False, [], []
         self.unsharded = self.max_unsharded = 0
         # The wrap policy: outermost modules of the given classes, in registration order.
         unit_modules = {}
@@ -102,6 +116,7 @@ class FullyShardedDataParallel(DataParallelWrapper):
             buf = m._buffers[name]
             m._buffers[name] = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
         self.broadcast_from_first_rank([m._buffers[name] for m, name in slots])
+        broadcast_from_first_copy([m._buffers[name] for m, name in slots], self.replicate_group)  # HSDP
 
     def forward(self, *args, **kwargs):
         self.in_backward = False
@@ -142,6 +157,9 @@ class FullyShardedDataParallel(DataParallelWrapper):
         for unit, handle, out, _ in self.pending:
             unit.finish_reduction(handle, out)
         self.pending.clear()
+        for unit, handle, out in self.replicating:
+            unit.accumulate(handle, out)
+        self.replicating.clear()
         for unit in self.units:  # a prefetched unit that did not run after all
             unit.free()
         self.in_backward = False

@@ -12,13 +12,20 @@ FSDP", section 3.2.2; torchtitan calls them `dp_shard` and `dp_replicate`):
 Every rank sees its own micro-batches whatever the layout, so the global batch is split over
 all `size = shard_size x replicate_size` data-parallel ranks.
 
-Today each strategy uses one dimension over the whole world: ZeRO and FSDP shard over every
-rank (replicate 1), and DDP all-reduces over every rank. HSDP, which shards within a node and
-replicates across nodes (NVLink inside, the slower network between), would give both
-dimensions a size above 1; this object is where that choice is made, and every piece of the run
-reads its groups from it: the loop (how the batch is split), both FSDPs and ZeRO (`shard_group`),
-DDP (`group`), the byte counter (each collective counts by the size of its own group) and the
-checkpoints (`shard_device_mesh`).
+ZeRO and FSDP (`--strategy fsdp`) shard over every rank (replicate 1), and DDP all-reduces over
+every rank. HSDP (`--strategy hsdp`) gives both dimensions a size: S ranks shard one copy
+(`--hsdp_shard_size`, by default the ranks of a node) and R = N / S copies replicate it. Ranks of
+a node are consecutive under torchrun and SLURM, so the ranks are laid out as an R x S grid, row j
+the node j: shard group j = ranks [jS, (j+1)S), which talk over NVLink inside a node, and
+replicate group i = ranks {i, i+S, i+2S, ...}, one per node, which talk over the slower network
+between nodes. The grid is a 2-D `DeviceMesh` (`init_device_mesh(device, (R, S),
+mesh_dim_names=("dp_replicate", "dp_shard"))`), and both groups are taken from it: the
+hand-written FSDP and PyTorch's FSDP2 then run on the same groups.
+
+This object is where the choice is made, and every piece of the run reads its groups from it:
+the loop (how the batch is split), both FSDPs and ZeRO (`shard_group`, `replicate_group`), DDP
+(`group`), the byte counter (each collective counts by the size of its own group) and the
+checkpoints (`shard_device_mesh`, `placements`).
 """
 
 from dataclasses import dataclass
@@ -26,6 +33,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from minidist.distributed import device_mesh
+from minidist.parallel import comm
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard")  # torchtitan's names, outer dimension first
 
 
 @dataclass(frozen=True)
@@ -37,22 +47,59 @@ class DataParallelMesh:
     rank: int  # this rank's index among the data-parallel ranks
     size: int  # data-parallel ranks: shard_size x replicate_size
     shard_size: int
-    replicate_size: int = 1  # > 1 is HSDP: not built yet
+    replicate_size: int = 1  # > 1 is HSDP
+    replicate_group: dist.ProcessGroup | None = None  # HSDP: the ranks holding the same shard, one per node
 
     @property
     def shard_rank(self) -> int:
         return dist.get_rank(self.shard_group)
 
+    @property
+    def replicate_rank(self) -> int:
+        """Which copy this rank belongs to (its node, under HSDP); 0 without replicas."""
+        return 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
+
     def shard_device_mesh(self):
-        """The shard dimension as a 1-D `DeviceMesh`: what FSDP2 and DCP's DTensors are placed on."""
-        if self.shard_group is not dist.group.WORLD:
-            raise NotImplementedError("a shard group smaller than the world (HSDP) is not built yet")
-        return device_mesh()
+        """What FSDP2 and DCP's DTensors are placed on: the 1-D mesh of the shard dimension, or
+        under HSDP the 2-D (replicate, shard) mesh, on which FSDP2 replicates along dim 0 and
+        shards along dim 1."""
+        if self.replicate_group is None:
+            return device_mesh()
+        return device_mesh((self.replicate_size, self.shard_size), MESH_DIM_NAMES)
+
+    def placements(self) -> tuple:
+        """How a flat shard sits on `shard_device_mesh()`: Shard(0), and Replicate() first under
+        HSDP (every copy holds the same shards: DCP writes one of them and reads into all)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
 
 
-def data_parallel_mesh() -> DataParallelMesh:
-    """Today's layout: every rank of the process group is a data-parallel rank, and ZeRO and FSDP
-    shard over all of them (init_distributed must have run)."""
+def data_parallel_mesh(shard_size: int | None = None) -> DataParallelMesh:
+    """Every rank of the process group is a data-parallel rank (init_distributed must have run).
+
+    shard_size None: ZeRO and FSDP shard over all of them. Otherwise HSDP: groups of `shard_size`
+    consecutive ranks shard, and the ranks at the same place in each group replicate."""
     world = dist.group.WORLD
-    size = dist.get_world_size(world)
-    return DataParallelMesh(group=world, shard_group=world, rank=dist.get_rank(world), size=size, shard_size=size)
+    size, rank = dist.get_world_size(world), dist.get_rank(world)
+    if shard_size is None:
+        return DataParallelMesh(group=world, shard_group=world, rank=rank, size=size, shard_size=size)
+    if shard_size < 1 or size % shard_size:
+        raise ValueError(f"--hsdp_shard_size must divide the {size} ranks into equal groups, got {shard_size}")
+    mesh = device_mesh((size // shard_size, shard_size), MESH_DIM_NAMES)  # every rank builds every group
+    return DataParallelMesh(group=world, shard_group=mesh.get_group("dp_shard"), rank=rank, size=size,
+                            shard_size=shard_size, replicate_size=size // shard_size,
+                            replicate_group=mesh.get_group("dp_replicate"))
+
+
+def broadcast_from_first_copy(tensors, replicate_group) -> None:
+    """HSDP: the first copy's tensors (replicate rank 0: node 0) onto the other copies, in place.
+
+    Loading cuts the weights once, on rank 0, and scatters them over the first shard group; the
+    other nodes receive their shards from it, one shard per rank, instead of loading the model
+    again. Once, at wrap or load time: not part of a training step's count."""
+    if replicate_group is None or dist.get_world_size(replicate_group) == 1:
+        return
+    src = dist.get_global_rank(replicate_group, 0)
+    for tensor in tensors:
+        comm.broadcast(tensor.data, src=src, group=replicate_group)

@@ -13,19 +13,20 @@ The options that only the hand-written strategies have (`reduce_dtype`, `bucket_
 PyTorch's FSDP, say) is told so, instead of being silently ignored. `value` reads an option
 with its default filled in.
 
-The next options have their homes ready: CPU offload (a `cpu_offload` field, for the FSDPs to
-read) and hybrid sharding (a `replicate` field, for `mesh.data_parallel_mesh` to read: the mesh
-already names the shard and replicate dimensions). Neither is built yet, so neither is a flag.
+Hybrid sharding is `--strategy hsdp` with `--hsdp_shard_size N` (the ranks that shard one copy,
+by default the ranks of a node: `mesh.data_parallel_mesh` builds the groups). CPU offload has its
+home ready (a `cpu_offload` field, for the FSDPs to read); it is not built yet, so it is no flag.
 """
 
 import argparse
 from dataclasses import dataclass, field, fields
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")  # over one group of all the ranks (lesson 00's tables go over these)
+HYBRID = ("hsdp",)  # FSDP within each node, its copies across nodes (mesh.py)
 IMPLEMENTATIONS = ("minidist", "torch")
 DTYPES = ("fp32", "bf16")
 DDP_VARIANTS = ("bucketed", "naive")
-EVERY = ("minidist", "torch"), STRATEGIES  # (implementations, strategies) an option applies to
+EVERY = ("minidist", "torch"), STRATEGIES + HYBRID  # (implementations, strategies) an option applies to
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
 # Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them,
@@ -44,14 +45,16 @@ def _option(default, help, choices=None, applies=EVERY, flag_type=None):
 class ParallelOptions:
     """How the model is spread over the ranks and how it computes: every parallel option of a run."""
 
-    strategy: str = _option("fsdp", "how the model states are spread over the ranks", STRATEGIES)
+    strategy: str = _option("fsdp", "how the model states are spread over the ranks", STRATEGIES + HYBRID)
     impl: str = _option("torch", "minidist (by hand) or torch (PyTorch's own, the reference)", IMPLEMENTATIONS)
     layer_wrap_policy: bool = _option(True, "FSDP: one unit per decoder layer (off: the whole model is one unit)",
-                                      applies=(IMPLEMENTATIONS, ("fsdp",)))
+                                      applies=(IMPLEMENTATIONS, ("fsdp", "hsdp")))
+    hsdp_shard_size: int | None = _option(None, "HSDP: the ranks that shard one copy (default: the ranks per node)",
+                                          applies=(IMPLEMENTATIONS, ("hsdp",)), flag_type=int)
     mixed_precision: str = _option("fp32", "the compute dtype of forward and backward (masters stay fp32)", DTYPES)
     gradient_checkpointing: bool = _option(False, "recompute each decoder layer in backward instead of saving it")
     reduce_dtype: str | None = _option(None, "the dtype gradients are summed in (default fp32)", DTYPES,
-                                       (("minidist",), STRATEGIES))
+                                       (("minidist",), STRATEGIES + HYBRID))
     bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB (default 25)",
                                           applies=(("minidist",), ("ddp", "zero1", "zero2")), flag_type=float)
     ddp_variant: str | None = _option(None, "bucketed (the default) or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
@@ -82,6 +85,8 @@ class ParallelOptions:
                     self.impl not in impls or self.strategy not in strategies):
                 raise ValueError(f"--{f.name} only applies to --impl {' or '.join(impls)} with --strategy "
                                  f"{' or '.join(strategies)}, not {self.name}")
+        if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
+            raise ValueError(f"--hsdp_shard_size must be at least 1, got {self.hsdp_shard_size}")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"--bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         return self

@@ -13,7 +13,7 @@ implementation from `STRATEGY_CLASSES` (a dict: `get_strategy(options, env)`), t
 
 and, to save, `strategy.full_state_dict(model)` (the weights) or `strategy.get_state_dict` and
 `set_state_dict` (model and optimizer, for checkpoints: `state.py`). Each strategy is a name
-(`ddp`, `zero1`, `zero2`, `fsdp`) and an implementation: `torch` (PyTorch's own
+(`ddp`, `zero1`, `zero2`, `fsdp`, `hsdp`) and an implementation: `torch` (PyTorch's own
 DistributedDataParallel and FSDP2 `fully_shard`, the reference) or `minidist` (written by hand
 in `ddp.py`, `zero.py` and `fsdp.py`, checked against the reference). What a strategy reads is
 a `ParallelOptions` (`options.py`) and a `DataParallelMesh` (`mesh.py`: its process groups).
@@ -49,9 +49,11 @@ class Strategy:
 
     @property
     def mesh(self) -> DataParallelMesh:
-        """The process groups this strategy communicates over (read when it first communicates)."""
+        """The process groups this strategy communicates over (read when it first communicates);
+        HSDP's shard groups hold `--hsdp_shard_size` ranks, by default the ranks of a node."""
         if self._mesh is None:
-            self._mesh = data_parallel_mesh()
+            hybrid = self.options.strategy == "hsdp"
+            self._mesh = data_parallel_mesh(self.options.hsdp_shard_size or self.env.local_world_size if hybrid else None)
         return self._mesh
 
     def load_model(self, name_or_path: str) -> nn.Module:
@@ -90,11 +92,15 @@ class Strategy:
         """The compute precision of forward and backward, where the weights stay fp32 (DDP)."""
         return precision.autocast(self.mp, self.env.device) if self.autocast_weights else nullcontext()
 
-    def take_comm_bytes(self) -> float | None:
+    def take_comm_bytes(self, split: bool = False) -> float | dict | None:
         """Bytes this rank sent for gradients and parameters since the last call (the count then
         starts again), counted by `comm.py` under the ring algorithm; None for PyTorch's own
-        strategies, which do not go through `comm.py`."""
-        return comm.counter.take() if self.options.impl == "minidist" else None
+        strategies, which do not go through `comm.py`. split=True (every rank must call it then):
+        a dict of the total, its parts within a node and across nodes, and every rank's bytes across
+        nodes (`comm.take_split`); None in each for torch."""
+        if self.options.impl != "minidist":
+            return dict.fromkeys(comm.SPLIT_KEYS) if split else None
+        return comm.take_split(self.mesh.group, self.env.device) if split else comm.counter.take()
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
@@ -217,11 +223,13 @@ class MinidistFSDP(ShardedByHand):
         from minidist.parallel.fsdp import FullyShardedDataParallel
 
         classes = wrap_policy_classes(model) if self.options.layer_wrap_policy else ()
-        return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group)
+        return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group,
+                                        self.mesh.replicate_group)  # HSDP: the copies across nodes
 
 
 class TorchFSDP(Strategy):
-    """PyTorch's FSDP2 (`fully_shard`): one unit per decoder layer, then the root for the rest."""
+    """PyTorch's FSDP2 (`fully_shard`): one unit per decoder layer, then the root for the rest.
+    On HSDP's 2-D mesh (`--strategy hsdp`) fully_shard replicates along dim 0 and shards along dim 1."""
 
     def wrap(self, model):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -277,6 +285,8 @@ STRATEGY_CLASSES = {
     ("torch", "ddp"): TorchDDP, ("torch", "fsdp"): TorchFSDP,
     ("minidist", "ddp"): MinidistDDP, ("minidist", "zero1"): MinidistZeRO, ("minidist", "zero2"): MinidistZeRO,
     ("minidist", "fsdp"): MinidistFSDP,
+    # HSDP is FSDP on a 2-D mesh: the same classes, over the groups `mesh.py` builds for it.
+    ("torch", "hsdp"): TorchFSDP, ("minidist", "hsdp"): MinidistFSDP,
 }
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from minidist.parallel import comm
 from minidist.parallel.flat import FlatLayout, scatter_flat
 from minidist.parallel.frozen import FrozenFlat
+from minidist.parallel.mesh import broadcast_from_first_copy
 from minidist.parallel.precision import for_reduction
 from minidist.parallel.wrapper import weak_hook
 
@@ -34,14 +35,12 @@ class Unit:
         self.slots = [(owner, attr, name, index[id(p)]) for owner, attr, name, p in slots if id(p) in index]
         findex = {id(p): k for k, p in enumerate(frozen)}
         self.frozen_slots = [(owner, attr, name, findex[id(p)]) for owner, attr, name, p in slots if id(p) in findex]
-        self.frozen = FrozenFlat(frozen, fsdp.mp.param_dtype, fsdp.group, fsdp.world_size, fsdp.rank,
-                                 device) if frozen else None
+        self.frozen = FrozenFlat(frozen, fsdp.mp.param_dtype, fsdp.group, fsdp.world_size, fsdp.rank, device,
+                                 lambda layout, out: load_shard(fsdp, layout, frozen, out)) if frozen else None
         self.layout = FlatLayout(params, fsdp.world_size, fsdp.rank)
         # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
         shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
-        if params:
-            whole = self.layout.flatten(params, torch.float32) if fsdp.rank == 0 else None
-            scatter_flat(self.layout, whole, shard, group=fsdp.group)
+        load_shard(fsdp, self.layout, params, shard)
         self.flat_param = nn.Parameter(shard)
         module.register_parameter("flat_param", self.flat_param)
         for owner, attr, _, _ in self.slots + self.frozen_slots:
@@ -133,17 +132,46 @@ class Unit:
             return  # no_sync: full.grad stays and the next backward adds to it
         grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
         full.grad = None
-        grad.div_(self.fsdp.world_size)  # the average, as DDP takes it
+        grad.div_(self.fsdp.world_size * self.fsdp.replicate_size)  # the average over every rank, as DDP takes it
         out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True, input_is_scratch=True)
+        for unit, earlier, earlier_out in self.fsdp.replicating:  # HSDP: the all-reduce of two units back
+            unit.accumulate(earlier, earlier_out)
+        self.fsdp.replicating = []
         for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
             unit.finish_reduction(earlier, earlier_out)
         self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
 
     def finish_reduction(self, handle, out) -> None:
+        """The reduce-scatter is done. HSDP: start the all-reduce of the shard across the copies
+        (asynchronous: the next unit's backward waits for it), else take the shard at once."""
         handle.wait()
+        if self.fsdp.replicate_size > 1:
+            work = comm.all_reduce(out, group=self.fsdp.replicate_group, async_op=True)
+            self.fsdp.replicating.append((self, work, out))
+        else:
+            self.accumulate(None, out)
+
+    def accumulate(self, handle, out) -> None:
+        """Wait for `handle` (if any) and add the reduced gradient shard into `flat_param.grad`."""
+        if handle is not None:
+            handle.wait()
         out = out.to(torch.float32)
         if self.flat_param.grad is None:
             self.flat_param.grad = out
         else:
             self.flat_param.grad += out
+
+
+def load_shard(fsdp, layout: FlatLayout, params: list, out: torch.Tensor) -> None:
+    """Fill `out` with this rank's shard of `params`, flattened by `layout`, read on rank 0 only.
+
+    Rank 0 flattens the weights and scatters them over its shard group; under HSDP that is the
+    first copy (node 0), and the other copies receive their shard from the rank of node 0 that
+    holds it (one broadcast per replicate group) instead of reading the model again."""
+    if not params:  # an empty flat (LoRA: a unit whose parameters are all frozen)
+        return
+    if fsdp.replicate_rank == 0:
+        whole = layout.flatten(params, torch.float32) if fsdp.rank == 0 else None
+        scatter_flat(layout, whole, out, group=fsdp.group)
+    broadcast_from_first_copy([out], fsdp.replicate_group)
