@@ -20,9 +20,10 @@ through the frozen layers: backward needs the frozen weights to pass the gradien
 **Under every strategy.** Frozen parameters are never reduced and never stepped: PyTorch's DDP
 and FSDP2 skip them, the hand-written DDP and ZeRO put only trainable parameters in their buckets
 (`ddp.py`, `zero.py`), and the hand-written FSDP shards the frozen base in a second flat per unit,
-gathered but never reduce-scattered (`parallel/frozen.py`). Checkpoints then hold the adapter and
-its Adam moments (plus the frozen weights where the checkpoint is PyTorch's `get_state_dict`: both
-DDPs and FSDP2).
+gathered but never reduce-scattered (`parallel/frozen.py`). Sharded checkpoints then hold the
+adapter and its Adam moments (plus the frozen weights where the checkpoint is PyTorch's
+`get_state_dict`: both DDPs and FSDP2). A full checkpoint's `model` folder is the adapter alone, as
+peft saves it; its resume puts it beside the live frozen base (`with_saved_adapter`).
 
 **The same adapter on every rank.** Ranks are seeded differently (`finetune.py`), and A is random:
 `apply` draws it under the run's `--seed` alone, in a forked RNG, so every rank (and a
@@ -76,9 +77,6 @@ def check(args, name_or_path: str | None = None) -> None:
         raise ValueError(f"--lora_dropout must be in [0, 1), got {dropout}")
     if not targets(args):
         raise ValueError("--lora_target_modules names no module")
-    if getattr(args, "checkpoint_format", "sharded") == "full":
-        raise ValueError("--checkpoint_format full writes a whole from_pretrained model; with --lora_rank use "
-                         "--checkpoint_format sharded (the adapter and its optimizer state)")
     if name_or_path is not None:
         from transformers import AutoModelForCausalLM
 
@@ -154,3 +152,23 @@ def save_adapter(model: nn.Module, folder, state_dict: dict, dtype: torch.dtype)
     gathered `state_dict`, whose frozen entries peft leaves out, in `dtype`."""
     adapter = {k: v.to(dtype) for k, v in state_dict.items() if "lora_" in k}
     model.save_pretrained(folder, state_dict=adapter)
+
+
+def with_saved_adapter(live: dict, folder) -> dict:
+    """A full checkpoint's model state under LoRA (`state.py`, `--checkpoint_format full`): the
+    saved adapter (`folder/adapter_model.safetensors`, fp32, written by `save_pretrained`) in place
+    of the live adapter entries of `live`, the whole model by its live names; the frozen entries
+    stay the live ones, which the run read from the model folder as the first run did (they never
+    change). peft saves a key without its adapter name (`...q_proj.lora_A.weight` for the live
+    `...q_proj.lora_A.default.weight`); the live names are mapped by peft's own (private) function."""
+    from peft.tuners.tuners_utils import _remove_adapter_name_from_state_dict_key as saved_key
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    out = dict(live)
+    for name in live:
+        if "lora_" in name:
+            out[name] = saved.pop(saved_key(name, "default"))
+    if saved:
+        raise ValueError(f"{folder} holds adapter weights this model does not have: {', '.join(sorted(saved))}")
+    return out

@@ -16,7 +16,8 @@ numbers. So a checkpoint holds the whole training state, not just the model:
 **Two forms.** A *full* checkpoint gathers the model to rank 0 and writes it as a Hugging Face
 folder (`checkpoint-N/model`, which `from_pretrained` loads), with the optimizer consolidated
 into one `optimizer.pt`: portable, but rank 0 must hold everything (for 7B with AdamW: 81 GB of
-CPU memory). A *sharded* checkpoint lets each rank write only its own shard with PyTorch's
+CPU memory). Under LoRA that folder is the adapter alone (`PeftModel.from_pretrained` loads it);
+a resume takes the frozen base from the model it loaded, as the first run did (`lora.py`). A *sharded* checkpoint lets each rank write only its own shard with PyTorch's
 distributed checkpoint (DCP, `torch.distributed.checkpoint`): no rank ever holds the full state,
 all ranks write at once, and DCP records which slice of which tensor each file holds, so a
 different world size reads the slices it needs (resharding). To get one file out of it anyway:
@@ -54,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist import checksums, save_errors
+from minidist import checksums, lora, save_errors
 from minidist.preemption import pause_if_asked
 
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -277,10 +278,13 @@ class Checkpointer:
             self.strategy.set_state_dict(self.model, self.optimizer, state["model"], state["optimizer"], full=False)
         else:
             model_sd, optim_sd = {}, {}
+            # LoRA: `model` is the adapter alone; the frozen base is the live one (every rank gathers it)
+            live = self.strategy.full_state_dict(self.model) if lora.is_peft(self.strategy.unwrap(self.model)) else None
             if self.env.is_main:  # rank 0 reads the files; set_state_dict broadcasts (and shards)
                 from transformers import AutoModelForCausalLM
 
-                model_sd = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32).state_dict()
+                model_sd = (lora.with_saved_adapter(live, path / "model") if live is not None else
+                            AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32).state_dict())
                 optim_sd = torch.load(path / "optimizer.pt", weights_only=True)
             self.strategy.set_state_dict(self.model, self.optimizer, model_sd, optim_sd, full=True)
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -7,6 +7,7 @@ send only the adapters' gradients, and write an adapter that `PeftModel.from_pre
 """
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -156,13 +157,62 @@ def run_here(argv, capsys) -> tuple[int, str]:
     (["--lora_rank", "4", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1)"),
     (["--lora_alpha", "8"], "--lora_alpha needs --lora_rank"),
     (["--lora_rank", "4", "--lora_target_modules", "q_proj,c_attn"], "has no linear layer named c_attn"),
-    (["--lora_rank", "4", "--checkpoint_format", "full"], "with --lora_rank use --checkpoint_format sharded"),
 ])
 def test_bad_lora_flags_end_with_one_line(tiny_model, tmp_path, capsys, argv, expected):
     status, err = run_here(["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", *argv], capsys)
     assert status == 2
     assert expected in err.strip().splitlines()[-1], err
     assert "Traceback" not in err
+
+
+FULL = [("torch", "ddp", 2, 1), ("torch", "fsdp", 2, 1), ("minidist", "ddp", 2, 1), ("minidist", "zero1", 2, 1),
+        ("minidist", "zero2", 2, 1), ("minidist", "fsdp", 2, 1), ("minidist", "hsdp", 4, 2),
+        ("torch", "hsdp", 4, 2)]  # (implementation, strategy, ranks, nodes)
+
+
+@pytest.fixture(scope="module")
+def full_resumes(tiny_model, tmp_path_factory):
+    """Each strategy with --checkpoint_format full: 4 steps uninterrupted (saving at 2 and 4), then
+    resumed in a fresh folder from its checkpoint of step 2: {(impl, strategy): (whole, resumed, folder)}."""
+    root = tmp_path_factory.mktemp("lora-full")
+
+    def argv(impl, strategy, out, *extra):
+        return ["--model", tiny_model, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
+                "--max_steps", "4", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "1",
+                "--gradient_accumulation_steps", "2", "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4",
+                "--save_steps", "2", "--checkpoint_format", "full", *extra,
+                *(["--bucket_cap_mb", "0.01"] if impl == "minidist" and strategy in ("ddp", "zero1", "zero2") else [])]
+
+    out = {}
+    for world, nodes in sorted({(w, n) for *_, w, n in FULL}):
+        cases = [(i, s) for i, s, w, n in FULL if (w, n) == (world, nodes)]
+        whole = launch(run_finetunes, world, [argv(i, s, root / f"{i}-{s}") for i, s in cases], nodes=nodes,
+                       timeout_s=900)[0]
+        for i, s in cases:
+            shutil.copytree(root / f"{i}-{s}" / "checkpoint-2", root / f"{i}-{s}-resumed" / "checkpoint-2")
+        resumed = launch(run_finetunes, world, [argv(i, s, root / f"{i}-{s}-resumed", "--resume",
+                                                     str(root / f"{i}-{s}-resumed" / "checkpoint-2"))
+                                                for i, s in cases], nodes=nodes, timeout_s=900)[0]
+        out.update({case: (w, r, root / f"{case[0]}-{case[1]}") for case, w, r in zip(cases, whole, resumed)})
+    return out
+
+
+@pytest.mark.parametrize("impl,strategy", [case[:2] for case in FULL])
+def test_a_full_lora_checkpoint_holds_the_adapter_and_resumes_bitwise(tiny_model, full_resumes, impl, strategy):
+    """`--checkpoint_format full` under LoRA: checkpoint-N/model is the adapter (peft loads it onto
+    the base, with the run's adapter weights), and a run resumed from it ends bitwise where the
+    uninterrupted run ends."""
+    whole, resumed, out = full_resumes[impl, strategy]
+    assert resumed["losses"] == whole["losses"]  # floats compared exactly
+    for name, tensor in whole["parameters"].items():
+        assert torch.equal(resumed["parameters"][name], tensor), name
+    folder = out / "checkpoint-4" / "model"
+    assert (folder / "adapter_config.json").exists() and not (folder / "model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder)
+    adapter = {name: tensor for name, tensor in loaded.state_dict().items() if "lora_" in name}
+    assert adapter.keys() == {name for name in whole["parameters"] if "lora_" in name}
+    for name, tensor in adapter.items():
+        assert torch.equal(tensor, whole["parameters"][name]), name
 
 
 RESUMED = [("minidist", "fsdp"), ("torch", "ddp")]
