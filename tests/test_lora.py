@@ -20,6 +20,7 @@ from minidist import finetune
 from minidist.launch import launch
 from lora_workers import run_lora_finetunes
 from reference import train_reference
+from test_memory import long_games, weighty_model  # noqa: F401 (fixtures)
 from test_state import interrupt_with_torchrun
 from train_workers import run_finetunes
 
@@ -301,3 +302,35 @@ def test_the_memory_command_takes_lora_flags_and_refuses_bad_ones_in_one_line(ca
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err
     assert expected in err.strip().splitlines()[-1], err
+
+
+PEAKS = [("minidist", "fsdp", []), ("minidist", "fsdp", ["--mixed_precision", "bf16", "--gradient_checkpointing"]),
+         ("minidist", "fsdp", ["--gradient_accumulation_steps", "2", "--lora_target_modules", "all-linear"]),
+         ("torch", "fsdp", ["--mixed_precision", "bf16"]), ("minidist", "zero2", ["--mixed_precision", "bf16"])]
+
+
+def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model, long_games, tmp_path):
+    """The whole step's peak of live tensors (`measure.LiveTensors`) under LoRA, on 2 gloo ranks,
+    within 5% of the estimate, as tests/test_memory.py holds a full fine-tune: FSDP's units are
+    gathered whole but only their adapters have gradients and are reduce-scattered (`moments.py`)."""
+    from memory_workers import train_each
+    from minidist.memory import estimator
+
+    common = ["--model", weighty_model, "--data", long_games, "--max_steps", "3", "--max_seq_length", "32",
+              "--batch_size_per_device", "2", "--eval_prefixes", "0", "--no_save", "--trace_memory_every", "1",
+              "--lora_rank", "8"]
+    runs = [common + ["--impl", impl, "--strategy", name, "--output_dir", str(tmp_path / f"{i}")] + extra
+            for i, (impl, name, extra) in enumerate(PEAKS)]
+    launch(train_each, 2, runs, timeout_s=600)
+    shape = estimator.model_shape(weighty_model)
+    for i, (impl, name, extra) in enumerate(PEAKS):
+        records = [json.loads(line) for line in (tmp_path / f"{i}" / "metrics.jsonl").read_text().splitlines()]
+        flag = lambda f, default: extra[extra.index(f) + 1] if f in extra else default  # noqa: E731
+        setup = estimator.setup(strategy=name, impl=impl, world_size=2, batch_size_per_device=2, max_seq_length=32,
+                                padded=False, backend="gloo", mixed_precision=flag("--mixed_precision", "fp32"),
+                                gradient_checkpointing="--gradient_checkpointing" in extra, lora_rank=8,
+                                gradient_accumulation_steps=int(flag("--gradient_accumulation_steps", 1)),
+                                lora_target_modules=flag("--lora_target_modules", None))
+        want = estimator.estimate(shape, setup)["peak"]
+        for got in [min(step) for step in zip(*(r["memory_bytes"]["peak"] for r in records[1:]))]:  # per rank
+            assert abs(got - want) <= 0.05 * want, f"{impl}/{name} {extra}: measured {got}, estimated {want}"

@@ -253,9 +253,9 @@ def buffers(s: Shape, setup: Setup) -> dict:
 def estimate(s: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
-    extra, setup = hybrid.all_reduce_buffer(s, setup), hybrid.as_fsdp(setup)  # HSDP: FSDP on S ranks, plus
-    states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
-    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts), extra)
+    extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(s, setup), setup), hybrid.as_fsdp(setup)
+    states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)  # HSDP: FSDP on S ranks
+    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts, s), extra)
     peak = max(sum(terms.values()) for terms in at.values())
     bufs["optimizer_step"] = at["step"]["optimizer step temporary"]  # AdamW's, as the step makes it
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
@@ -265,9 +265,9 @@ def estimate(s: Shape, setup: Setup) -> dict:
 
 def peak_moment(s: Shape, setup: Setup) -> tuple[str, dict]:
     """The moment of the step where the peak falls, and what is alive then (`moments.py`)."""
-    extra, setup = hybrid.all_reduce_buffer(s, setup), hybrid.as_fsdp(setup)
+    extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(s, setup), setup), hybrid.as_fsdp(setup)
     at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, model_states(s, setup),
-                                               activations(s, setup)), extra)
+                                               activations(s, setup), s), extra)
     name = max(at, key=lambda m: sum(at[m].values()))
     return name, at[name]
 

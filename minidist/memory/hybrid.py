@@ -39,7 +39,8 @@ def as_fsdp(setup):
 
 
 def all_reduce_buffer(shape, setup) -> int:
-    """Bytes of the gradient shard the replicate all-reduce keeps alive in backward (0 without copies)."""
+    """Bytes of the gradient shard the replicate all-reduce keeps alive in backward (0 without copies),
+    for `shape`, the shape of what is trained (LoRA: the adapters' units, `lora_terms.trained_shape`)."""
     if setup.options.strategy != "hsdp" or shard_size(setup) == setup.world_size:
         return 0
     wrapped = setup.options.layer_wrap_policy and shape.layer_params

@@ -20,7 +20,8 @@ exactly from the config on the meta device, as peft would place the adapters.
 
 Activations are traced on the base model (`trace.py`): LoRA's own saved tensors (the r-wide
 output of each `lora_A`, a few MB) are not in the estimate. The peak's walk (`moments.py`) gets the
-adapters as the trained shape (`trained_shape`).
+adapters as the trained shape (`trained_shape`): gradients, reductions and the step are theirs;
+FSDP's gathers are of whole units, frozen and trainable flats together.
 """
 
 import functools
@@ -30,8 +31,9 @@ from minidist.memory import moments
 
 
 @functools.lru_cache(maxsize=32)
-def _lora_rows(config_json: str, config_class, rank: int, targets: str | None) -> tuple:
-    """(dim 0, numel) of every adapter tensor peft would add: A is (r, d_in), B (d_out, r)."""
+def _lora_counts(config_json: str, config_class, rank: int, targets: str | None) -> tuple:
+    """Of the adapter tensors peft would add (A is (r, d_in), B (d_out, r)): (dim 0, numel) of each;
+    the adapters' parameters in each decoder layer (an FSDP unit), in order; and in the output layer."""
     import argparse
     import json
 
@@ -45,14 +47,24 @@ def _lora_rows(config_json: str, config_class, rank: int, targets: str | None) -
         model = trace.model_class(config_class).from_config(config_class.from_dict(json.loads(config_json)))
     lora.check_targets(model, args)
     model = lora.apply(model, args, seed=0)  # meta: nothing is drawn
-    return tuple((p.shape[0], p.numel()) for p in model.parameters() if p.requires_grad)
+    base = model.get_base_model()  # peft put the adapters inside it, in place
+
+    def trained(module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad) if module is not None else 0
+
+    return (tuple((p.shape[0], p.numel()) for p in model.parameters() if p.requires_grad),
+            tuple(trained(layer) for layer in trace.decoder_layers(base)), trained(base.get_output_embeddings()))
+
+
+def _counts(s, setup) -> tuple:
+    if s.config is None:
+        raise ValueError(f"the shape of {s.name!r} carries no config: build it with model_shape")
+    return _lora_counts(s.config.to_json_string(use_diff=False), type(s.config), setup.lora_rank,
+                        setup.lora_target_modules)
 
 
 def lora_rows(s, setup) -> tuple:
-    if s.config is None:
-        raise ValueError(f"the shape of {s.name!r} carries no config: build it with model_shape")
-    return _lora_rows(s.config.to_json_string(use_diff=False), type(s.config), setup.lora_rank,
-                      setup.lora_target_modules)
+    return _counts(s, setup)[0]
 
 
 def lora_params(s, setup) -> int:
@@ -66,19 +78,19 @@ def trained_rows(s, setup) -> tuple:
 
 
 def trained_shape(s, setup):
-    """The shape `moments.py` walks a step with: under LoRA, for DDP and ZeRO, the adapters alone
-    (their gradients are what backward makes, buckets and steps); the frozen weights are in the
-    model states already. FSDP's units are gathered whole, frozen part included: its walk keeps the
-    model's shape, and so still counts every unit's gradient (in flight, and its fp32 shard) at the
-    size of the whole unit. So under LoRA the FSDP peak is an upper bound, not an estimate:
-    CodeLlama-7b, 4 ranks, rank 16, checkpointing: 12.8 GB, of which 6.9 GB are gradient shards
-    that LoRA does not have (its model states are 3.4 GB). Not measured against a run."""
-    if not setup.lora_rank or setup.strategy == "fsdp":
+    """The shape of what is trained, which `moments.py` walks a step with: under LoRA the adapters
+    alone (their gradients are what backward makes, buckets, reduces and steps; the frozen weights
+    are in the model states already), with FSDP's units counted in their adapters' parameters (a
+    decoder layer's, the root's, the output layer's). FSDP's walk gathers the whole model's units
+    (`moments.py`: `whole`), frozen part included, and reduces the trained ones."""
+    if not setup.lora_rank:
         return s
     from dataclasses import replace
 
-    rows = lora_rows(s, setup)
-    return replace(s, num_params=sum(numel for _, numel in rows), param_rows=rows, tied_params=0)
+    rows, layers, head = _counts(s, setup)
+    total = sum(numel for _, numel in rows)
+    return replace(s, num_params=total, param_rows=rows, tied_params=0, layer_params=max(layers, default=0),
+                   layer_param_counts=layers, root_params=total - sum(layers), head_linear_params=head)
 
 
 def bucket_bytes(s, setup) -> int:

@@ -46,8 +46,9 @@ def _shard(numel: int, n: int) -> int:
     return -(-numel // n)
 
 
-def moments(s, setup, states: dict, acts: dict) -> dict:
-    """{moment: {term: bytes}} for one rank; the peak is the largest sum."""
+def moments(s, setup, states: dict, acts: dict, whole=None) -> dict:
+    """{moment: {term: bytes}} for one rank; the peak is the largest sum. `s` is the shape of what
+    is trained (LoRA: the adapters, `lora_terms.trained_shape`), `whole` the model's (FSDP's gathers)."""
     o, n, P = setup.options, setup.world_size, s.num_params
     k, impl = o.strategy, o.impl
     gloo = setup.backend == "gloo" and n > 1  # gloo's copies (one rank sends nothing: comm.py copies locally)
@@ -87,7 +88,7 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
         at["step"] = {**kept, "optimizer step temporary": max((cast + 4) * sum(m.numel() for m in g) for g in groups)}
         at["refresh"] = {**kept, "all-gather": max(w * _shard(b, n) for b in sizes)}  # the shard sent, a copy
     else:
-        at.update(_fsdp(s, setup, kept, acts, c, gloo, accum))  # the shards' gradients come in backward
+        at.update(_fsdp(s, whole or s, setup, kept, acts, c, gloo, accum))  # the shards' gradients come in backward
         # AdamW's temporary is the size of the fp32 shard it steps, as is the shard's gradient.
         at["step"] = {**kept, "gradients": states["gradients"], "optimizer step temporary": states["gradients"]}
     return at
@@ -133,7 +134,7 @@ class _Timeline:
             self.worst = dict(self.live)
 
 
-def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
+def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
     """FSDP, walked unit by unit through the last micro-batch's forward and backward.
 
     Units: one per decoder layer and the root (embeddings, final norm, output layer), or the
@@ -154,34 +155,39 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
       one, by minidist after): its input goes, its output is the shard's gradient. Under FSDP2,
       gloo copies a reduce-scatter's input while the collective runs;
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
-      in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it."""
+      in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it.
+    Under LoRA (`whole` is the model, `s` its adapters) a unit is gathered whole, but only its
+    adapters get gradients and are reduced; minidist's frozen shard is kept in the compute dtype, so
+    only the trainable one is cast to be sent (FSDP2 keeps both in fp32, and casts both). A unit
+    with nothing to train stays gathered until backward ends (`parallel/frozen.py`)."""
     n, torch_impl = setup.world_size, setup.options.impl == "torch"
     kept_acts, rest = acts["kept_by_layer"], acts["saved"] - sum(acts["kept_by_layer"])
-    if setup.options.layer_wrap_policy and s.layer_params:
-        root, layers = s.root_params, list(s.layer_param_counts)  # layers may differ (MoE and dense)
+    if setup.options.layer_wrap_policy and whole.layer_params:  # (gathered, trained) per unit
+        root, layers = (whole.root_params, s.root_params), list(zip(whole.layer_param_counts, s.layer_param_counts))
     else:
-        root, layers, rest = s.num_params, [], acts["saved"]
+        root, layers, rest = (whole.num_params, s.num_params), [], acts["saved"]
     kept_grad = 4 if torch_impl else c  # bytes per element of the accumulated full gradients
     t = _Timeline({**kept, "accumulated gradients": kept_grad * s.num_params if accum else 0})
-    send = lambda u: c * _shard(u, n) if c == 2 else 0  # noqa: E731 (the bf16 copy of the fp32 shard, sent)
+    # the bf16 copy of the fp32 shard, sent: every flat's under FSDP2, minidist's trainable one
+    send = lambda u: c * _shard(u[0] if torch_impl else u[1], n) if c == 2 else 0  # noqa: E731
     lingering = [0]  # FSDP2: the last all-gather buffer, let go at the next copy-out
     single = torch_impl and n == 1  # FSDP2 on one rank: no collectives, the shard is the whole unit
-    held = lambda u: (c * u if c == 2 else 0) if single else c * u  # noqa: E731 (a gathered unit: fp32 views, or a bf16 copy)
+    held = lambda u: (c * u[0] if c == 2 else 0) if single else c * u[0]  # noqa: E731 (fp32 views, or a bf16 copy)
 
     def start_gather(u):
         if single:
             t.add("gathered units", held(u))
             return
-        t.add("gathered units", c * u + send(u))
+        t.add("gathered units", c * u[0] + send(u))
 
     def finish_gather(u, linger=False):
         if single:
             return
         if torch_impl:  # copy out of the all-gather buffer into the weights
-            t.add("gathered units", c * u)
+            t.add("gathered units", c * u[0])
             t.add("gathered units", -c * lingering[0])  # the previous buffer, if it was kept
-            lingering[0] = u if linger else 0
-            t.add("gathered units", 0 if linger else -c * u)  # this one's, now or at the next copy-out
+            lingering[0] = u[0] if linger else 0
+            t.add("gathered units", 0 if linger else -c * u[0])  # this one's, now or at the next copy-out
         t.add("gathered units", -send(u))
 
     def gather(u, prefetch, linger=False):  # this unit, now; the next one, started
@@ -195,13 +201,13 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
     if layers:
         start_gather(layers[0])
     for i, u in enumerate(layers):
-        gather(u, layers[i + 1] if i + 1 < len(layers) else 0, linger=True)
+        gather(u, layers[i + 1] if i + 1 < len(layers) else None, linger=True)
         t.add("activations", kept_acts[i])
         t.add("gathered units", -held(u))
     t.add("activations", rest + acts["weight_copies"])
     t.add("logits", acts["logits"])  # the head's output, its fp32 copy and log-probabilities
     if not torch_impl:
-        t.add("gathered units", -c * root)
+        t.add("gathered units", -c * root[0])
     t.add("gathered units", -c * lingering[0])  # FSDP2: backward's first copy-out lets the last one go
     lingering[0] = 0
     forward, t.worst = t.worst, dict(t.live)
@@ -249,24 +255,31 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
         finish_pending()
         pending.append((u, into, 4 * _shard(u, n)))
 
-    head = s.head_linear_params if root == s.root_params else root
+    head = s.head_linear_params if layers else root[1]  # the trained part of the output layer
     t.add("logits", -acts["logits"])  # consumed by the output layer's backward, which makes its gradient
     t.add("gradients", fresh * head)
     t.add("activations", -rest - acts["weight_copies"])  # the loss's and the output layer's, used first
     if layers:
         start_gather(layers[-1])
+    frozen_units = []  # gathered until backward ends
     for i in reversed(range(len(layers))):
-        u = layers[i]
-        gather(u, layers[i - 1] if i else 0)
+        u, trained = layers[i], layers[i][1]
+        gather(u, layers[i - 1] if i else None)
         t.add("activations", acts["recompute_by_layer"][i])
-        t.add("gradients", fresh * u)
+        t.add("gradients", fresh * trained)
         t.add("activations", -acts["recompute_by_layer"][i] - kept_acts[i])
-        concatenate(u)
+        if not trained:
+            frozen_units.append(u)
+            continue
+        concatenate(trained)
         t.add("gathered units", -held(u))
-        reduce(u)
-    t.add("gradients", fresh * (root - head))
-    concatenate(root)
-    t.add("gathered units", -held(root))
-    reduce(root)
+        reduce(trained)
+    t.add("gradients", fresh * (root[1] - head))
+    if root[1]:
+        concatenate(root[1])
+        t.add("gathered units", -held(root))
+        reduce(root[1])
     finish_pending()  # at the end of backward
+    for u in frozen_units + ([] if root[1] else [root]):
+        t.add("gathered units", -held(u))
     return {"forward": forward, "backward": t.worst}
