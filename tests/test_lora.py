@@ -306,13 +306,15 @@ def test_the_memory_command_takes_lora_flags_and_refuses_bad_ones_in_one_line(ca
 
 PEAKS = [("minidist", "fsdp", []), ("minidist", "fsdp", ["--mixed_precision", "bf16", "--gradient_checkpointing"]),
          ("minidist", "fsdp", ["--gradient_accumulation_steps", "2", "--lora_target_modules", "all-linear"]),
-         ("torch", "fsdp", ["--mixed_precision", "bf16"]), ("minidist", "zero2", ["--mixed_precision", "bf16"])]
+         ("torch", "fsdp", ["--mixed_precision", "bf16", "--lora_dropout", "0.1"]),
+         ("minidist", "zero2", ["--mixed_precision", "bf16"]), ("torch", "ddp", ["--mixed_precision", "bf16"])]
 
 
 def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model, long_games, tmp_path):
     """The whole step's peak of live tensors (`measure.LiveTensors`) under LoRA, on 2 gloo ranks,
     within 5% of the estimate, as tests/test_memory.py holds a full fine-tune: FSDP's units are
-    gathered whole but only their adapters have gradients and are reduce-scattered (`moments.py`)."""
+    gathered whole but only their adapters have gradients and are reduce-scattered (`moments.py`),
+    and the activations are traced with the adapters (dropout's masks too: `lora_terms.adapt`)."""
     from memory_workers import train_each
     from minidist.memory import estimator
 
@@ -330,7 +332,38 @@ def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model,
                                 padded=False, backend="gloo", mixed_precision=flag("--mixed_precision", "fp32"),
                                 gradient_checkpointing="--gradient_checkpointing" in extra, lora_rank=8,
                                 gradient_accumulation_steps=int(flag("--gradient_accumulation_steps", 1)),
-                                lora_target_modules=flag("--lora_target_modules", None))
+                                lora_target_modules=flag("--lora_target_modules", None),
+                                lora_dropout=float(flag("--lora_dropout", 0)))
         want = estimator.estimate(shape, setup)["peak"]
         for got in [min(step) for step in zip(*(r["memory_bytes"]["peak"] for r in records[1:]))]:  # per rank
             assert abs(got - want) <= 0.05 * want, f"{impl}/{name} {extra}: measured {got}, estimated {want}"
+
+
+@pytest.mark.parametrize("mode,padded", [("fp32", False), ("bf16", True), ("autocast", False)])
+@pytest.mark.parametrize("lora_key", [(4, None, 0.0), (4, "all-linear", 0.1)], ids=["attention", "all-linear-dropout"])
+def test_lora_activations_traced_are_what_a_real_peft_forward_saves(mode, padded, lora_key):
+    """The trace with LoRA's adapters (`lora_terms.adapt`): byte for byte, layer by layer, what a
+    real CPU forward of the peft model saves, and in all what the loop's tracker counts. LoRA
+    changes it: a frozen linear layer saves no input (its weight wants no gradient; layer 0's input
+    wants none either), each adapter saves its r-wide `lora_A` output, and with dropout a mask and
+    the dropped input."""
+    from minidist.finetune import token_loss_sum
+    from minidist.memory import lora_terms, measure, trace
+    from test_trace import BATCH, CONFIGS, SEQ, assert_equal
+
+    config = CONFIGS["llama"]()
+    adapt = lora_terms.adapt(lora_key, mode)
+    torch.manual_seed(0)
+    model = adapt(trace.build(config, mode))
+    batch = trace.batch_for(BATCH, SEQ, padded, config.vocab_size)
+    real = trace.run_and_record(model, batch, mode)
+    assert_equal(trace.trace(config, BATCH, SEQ, mode, padded, adapt=adapt), real, f"LoRA {lora_key} {mode}")
+    assert not {p.untyped_storage()._cdata for p in model.parameters()} & real.storages.keys()  # frozen: model states
+    with measure.SavedActivations() as tracker:
+        loss = token_loss_sum(model, batch, trace._Autocast(mode))
+    assert tracker.current == real.saved + real.weight_copies
+    del loss
+    base = trace.trace(config, BATCH, SEQ, mode, padded)
+    assert real.layers[0] < real.layers[1]  # layer 0's frozen layers get an input that wants no gradient
+    if lora_key[2] == 0:  # q, k, v, o: less saved than a full fine-tune (no input kept for a frozen weight)
+        assert real.saved + real.weight_copies < base.saved + base.weight_copies

@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     ParallelOptions.add_arguments(p)  # the loop's own flags: --strategy, --impl, --mixed_precision, ...
     p.add_argument("--lora_rank", type=int, metavar="R", help="train rank-R LoRA adapters, the model frozen (lora.py)")
     p.add_argument("--lora_target_modules", help=f"as minidist.finetune's (default {lora.DEFAULT_TARGETS})")
+    p.add_argument("--lora_dropout", type=float, help="as minidist.finetune's: its masks are saved (default 0)")
     p.set_defaults(mixed_precision="bf16")  # as on the GPUs (finetune's default is fp32)
     args = p.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
                  "target_length")
         lora.check(args)  # --lora_rank 0: one line, as in the loop
         setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options, lora_rank=args.lora_rank or 0,
-                                lora_target_modules=args.lora_target_modules)
+                                lora_target_modules=args.lora_target_modules, lora_dropout=args.lora_dropout or 0.0)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None
         estimator.check_setup(setup)
         if args.readme_table and gpu_memory is None:

@@ -146,6 +146,7 @@ class Setup:
     backend: str = "nccl"  # or "gloo" (CPU ranks), which copies what it reduce-scatters (moments.py)
     lora_rank: int = 0  # LoRA adapters of this rank train, the base is frozen (lora_terms.py); 0: full fine-tune
     lora_target_modules: str | None = None  # as finetune's flag (None: lora.DEFAULT_TARGETS)
+    lora_dropout: float = 0.0  # > 0: each adapter saves a dropout mask and its dropped input (lora_terms.adapt)
 
     @property
     def strategy(self) -> str:
@@ -197,21 +198,21 @@ def model_states(s: Shape, setup: Setup) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, batch: int) -> trace.Trace:
+def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, lora: tuple, batch: int):
     """One trace, kept on disk (`cache.py`): lessons and tests estimate CodeLlama-7b in many processes."""
     def run():
-        t = trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None)
+        t = trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None,
+                        adapt=lora_terms.adapt(lora, mode) if lora else None)  # LoRA's adapters in the trace
         return {f.name: getattr(t, f.name) for f in fields(t) if f.name != "storages"}
-    key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch)
+    key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch, **({"lora": lora} if lora else {}))
     return trace.Trace(**cache.cached("trace", key, run))
 
 
-def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0) -> dict:
-    """The trace at any batch from two (batch 1 and 2): each term is a + b x (per sequence).
-    Cached, so `largest_batch`'s dozen estimates cost two traces."""
+def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0, lora: tuple = ()) -> dict:
+    """The trace at any batch from two cached ones (batch 1 and 2): each term is a + b x (per sequence)."""
     if s.config is None:
         raise ValueError(f"the shape of {s.name!r} carries no config to trace: build it with model_shape")
-    key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded, target if s.is_encoder_decoder else 0)
+    key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded, target if s.is_encoder_decoder else 0, lora)
     one, two = _traced(*key, 1), _traced(*key, 2)
 
     def at(a, b):  # term by term, at this batch
@@ -225,7 +226,7 @@ def activations(s: Shape, setup: Setup) -> dict:
     mode, b, t = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
     r = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
     tokens = b * t
-    tr = traced(s, mode, t, setup.padded, b, setup.target_length)
+    tr = traced(s, mode, t, setup.padded, b, setup.target_length, lora_terms.trace_key(setup))
     targets = b * (setup.target_length or t) if s.is_encoder_decoder else tokens  # what the logits cover
     ckpt = setup.options.gradient_checkpointing
     # Checkpointing keeps each layer's input (its hidden states) and recomputes the rest in backward,

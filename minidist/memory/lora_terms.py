@@ -18,10 +18,12 @@ the base by N. In fp32 every weight is 4 bytes. CodeLlama-7b, rank 16 on q, k, v
 (0.25% of P), 16 L = 0.27 GB, against 16 P = 108 GB for a full fine-tune. `lora_params` counts L
 exactly from the config on the meta device, as peft would place the adapters.
 
-Activations are traced on the base model (`trace.py`): LoRA's own saved tensors (the r-wide
-output of each `lora_A`, a few MB) are not in the estimate. The peak's walk (`moments.py`) gets the
-adapters as the trained shape (`trained_shape`): gradients, reductions and the step are theirs;
-FSDP's gathers are of whole units, frozen and trainable flats together.
+Activations are traced on the model with its adapters (`trace.py`, `adapt`): LoRA's own saved
+tensors (the r-wide output of each `lora_A`; with dropout its mask and the dropped input) are in,
+and the inputs of frozen linear layers, which a full fine-tune saves for their weights' gradients,
+are out (tests/test_lora.py holds it to a real peft forward, byte for byte). The peak's walk
+(`moments.py`) gets the adapters as the trained shape (`trained_shape`): gradients, reductions and
+the step are theirs; FSDP's gathers are of whole units, frozen and trainable flats together.
 """
 
 import functools
@@ -134,3 +136,40 @@ def model_states(s, setup) -> dict:
     return {"parameters": w * (s.num_params + padded),  # the adapters are views of padded flat buffers
             "gradients": w * (padded if k == "zero1" else shard),
             "optimizer_states": master + 8 * shard + 4 * len(buckets)}
+
+
+def trace_key(setup) -> tuple:
+    """What LoRA changes in the traced activations (`estimator.traced`): () without it."""
+    return (setup.lora_rank, setup.lora_target_modules, setup.lora_dropout) if setup.lora_rank else ()
+
+
+def adapt(key: tuple, mode: str):
+    """`trace.trace`'s `adapt` for a `trace_key`: the model with its adapters, as the loop computes
+    with it, so that the trace sees what LoRA changes. The adapters save the r-wide output of each
+    `lora_A` (for `lora_B`'s gradient) and, with dropout, its mask and the dropped input (for
+    `lora_A`'s); and a frozen linear layer saves no input, as its weight wants no gradient. The
+    adapters are made in the compute dtype (bf16 in bf16, as every strategy casts them; peft would
+    upcast them to fp32, and cast each input to fp32 for them), on the model's device: so peft's
+    moves to the base layer's device and dtype (`Module.to`) change nothing and are left out, on
+    fake tensors as on real ones (`Module._apply` would swap a fake parameter, which it refuses)."""
+    import argparse
+    from unittest import mock
+
+    import torch
+    from peft import get_peft_model
+
+    from minidist import lora
+
+    rank, targets, dropout = key
+    args = argparse.Namespace(lora_rank=rank, lora_alpha=None, lora_dropout=dropout, lora_target_modules=targets)
+
+    def with_adapters(model):
+        lora.check_targets(model, args)
+        default = torch.get_default_dtype()
+        with mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
+            torch.set_default_dtype(torch.bfloat16 if mode == "bf16" else torch.float32)
+            try:
+                return get_peft_model(model, lora.config(args), autocast_adapter_dtype=False)
+            finally:
+                torch.set_default_dtype(default)
+    return with_adapters

@@ -103,8 +103,8 @@ class SavedActivations:
 
     def _pack(self, tensor):
         base = tensor._base if tensor._base is not None else tensor
-        if base.is_leaf and base.requires_grad:
-            return tensor  # a parameter, or a view of one: a model state
+        if base.is_leaf and base.requires_grad or isinstance(base, torch.nn.Parameter):
+            return tensor  # a parameter (LoRA's frozen ones too), or a view of one: a model state
         storage = tensor.untyped_storage()
         key = storage._cdata
         entry = self.live.setdefault(key, [0, storage.nbytes()])

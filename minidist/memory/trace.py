@@ -122,8 +122,8 @@ class SavedByLayer:
 
     def _pack(self, tensor):
         base = tensor._base if tensor._base is not None else tensor
-        if base.is_leaf and base.requires_grad:
-            return tensor  # a parameter or a view of one: a model state
+        if base.is_leaf and base.requires_grad or isinstance(base, torch.nn.Parameter):
+            return tensor  # a parameter (trained or frozen: LoRA's base) or a view of one: a model state
         storage = tensor.untyped_storage()
         entry = self.storages.setdefault(storage._cdata, [storage.nbytes(), set(), _is_weight_copy(base)])
         entry[1].add(self.current)
@@ -256,13 +256,14 @@ def build(config, mode: str = "fp32", attn_implementation: str | None = None):
 
 
 def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
-          attn_implementation: str | None = None, target_seq: int | None = None) -> Trace:
+          attn_implementation: str | None = None, target_seq: int | None = None, adapt=None) -> Trace:
     """What one micro-batch of `batch` x `seq` tokens saves for backward, traced on fake tensors.
 
     config: a transformers config (`estimator.load_config` reads one from a folder or hub name);
     mode: fp32, bf16 (bf16 weights) or autocast (bf16 matmuls over fp32 weights);
     attn_implementation: None takes what transformers picks for the config, as the run does;
-    target_seq: an encoder-decoder's target length (default `seq`); a causal LM has none."""
+    target_seq: an encoder-decoder's target length (default `seq`); a causal LM has none;
+    adapt: what changes the built model before it runs (LoRA's adapters: `lora_terms.adapt`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if mode not in MODES:
@@ -281,6 +282,7 @@ def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
         data = {k: fake.from_tensor(v) for k, v in data.items()}
         if not padded:  # all ones: the real run reads it and drops it, which a fake tensor cannot be read for
             data["attention_mask"] = None
+        model = adapt(model) if adapt else model
         if not decoder_layers(model):
             raise ValueError(f"cannot trace {config.model_type!r}: it names no repeated layer class (_no_split_modules)")
         try:
