@@ -177,21 +177,22 @@ def full_resumes(tiny_model, tmp_path_factory):
     resumed in a fresh folder from its checkpoint of step 2: {(impl, strategy): (whole, resumed, folder)}."""
     root = tmp_path_factory.mktemp("lora-full")
 
-    def argv(impl, strategy, out, *extra):
+    def argv(impl, strategy, world, out, *extra):  # a global batch of 4, as `references`: 2 ranks x 2 or 4 x 1
         return ["--model", tiny_model, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
-                "--max_steps", "4", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "1",
-                "--gradient_accumulation_steps", "2", "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4",
-                "--save_steps", "2", "--checkpoint_format", "full", *extra,
+                "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR), "--eval_prefixes",
+                "0", "--batch_size_per_device", "1", "--gradient_accumulation_steps", str(4 // world), "--warmup_steps",
+                "2", "--seed", str(SEED), "--lora_rank", str(RANK), "--save_steps", "2", "--checkpoint_format", "full",
+                *extra,
                 *(["--bucket_cap_mb", "0.01"] if impl == "minidist" and strategy in ("ddp", "zero1", "zero2") else [])]
 
     out = {}
     for world, nodes in sorted({(w, n) for *_, w, n in FULL}):
         cases = [(i, s) for i, s, w, n in FULL if (w, n) == (world, nodes)]
-        whole = launch(run_finetunes, world, [argv(i, s, root / f"{i}-{s}") for i, s in cases], nodes=nodes,
+        whole = launch(run_finetunes, world, [argv(i, s, world, root / f"{i}-{s}") for i, s in cases], nodes=nodes,
                        timeout_s=900)[0]
         for i, s in cases:
             shutil.copytree(root / f"{i}-{s}" / "checkpoint-2", root / f"{i}-{s}-resumed" / "checkpoint-2")
-        resumed = launch(run_finetunes, world, [argv(i, s, root / f"{i}-{s}-resumed", "--resume",
+        resumed = launch(run_finetunes, world, [argv(i, s, world, root / f"{i}-{s}-resumed", "--resume",
                                                      str(root / f"{i}-{s}-resumed" / "checkpoint-2"))
                                                 for i, s in cases], nodes=nodes, timeout_s=900)[0]
         out.update({case: (w, r, root / f"{case[0]}-{case[1]}") for case, w, r in zip(cases, whole, resumed)})
@@ -214,6 +215,23 @@ def test_a_full_lora_checkpoint_holds_the_adapter_and_resumes_bitwise(tiny_model
     assert adapter.keys() == {name for name in whole["parameters"] if "lora_" in name}
     for name, tensor in adapter.items():
         assert torch.equal(tensor, whole["parameters"][name]), name
+
+
+@pytest.mark.parametrize("impl", ["minidist", "torch"])
+def test_lora_under_hsdp_matches_one_process(full_resumes, references, impl):
+    """LoRA under hybrid sharding, 2 simulated nodes x 2 ranks (`launch(..., nodes=2)`): the losses
+    and adapters of one process with peft (the tolerances of the 2-rank cases above), the frozen
+    base untouched (sharded within a node and replicated across: gathered, never reduced)."""
+    result = full_resumes[impl, "hsdp"][0]
+    ref_losses, ref_state, _ = references["attention"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert result["parameters"].keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        if "lora_" in name:
+            torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=name)
+        else:
+            assert torch.equal(result["parameters"][name], ref), name
+    assert any(result["parameters"][n].abs().sum() > 0 for n in ref_state if "lora_B" in n)
 
 
 RESUMED = [("minidist", "fsdp"), ("torch", "ddp")]
