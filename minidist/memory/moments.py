@@ -159,7 +159,8 @@ def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
     Under LoRA (`whole` is the model, `s` its adapters) a unit is gathered whole, but only its
     adapters get gradients and are reduced; minidist's frozen shard is kept in the compute dtype, so
     only the trainable one is cast to be sent (FSDP2 keeps both in fp32, and casts both). A unit
-    with nothing to train stays gathered until backward ends (`parallel/frozen.py`)."""
+    with nothing to train stays gathered until backward ends, except minidist's root, freed when
+    the last layer's backward begins (`parallel/frozen.py`)."""
     n, torch_impl = setup.world_size, setup.options.impl == "torch"
     kept_acts, rest = acts["kept_by_layer"], acts["saved"] - sum(acts["kept_by_layer"])
     if setup.options.layer_wrap_policy and whole.layer_params:  # (gathered, trained) per unit
@@ -262,8 +263,11 @@ def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
     if layers:
         start_gather(layers[-1])
     frozen_units = []  # gathered until backward ends
+    early = not torch_impl and not root[1] and bool(layers)  # minidist frees a frozen root at the last layer's
     for i in reversed(range(len(layers))):
         u, trained = layers[i], layers[i][1]
+        if early and i == len(layers) - 1:
+            t.add("gathered units", -held(root))
         gather(u, layers[i - 1] if i else None)
         t.add("activations", acts["recompute_by_layer"][i])
         t.add("gradients", fresh * trained)
@@ -280,6 +284,6 @@ def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
         t.add("gathered units", -held(root))
         reduce(root[1])
     finish_pending()  # at the end of backward
-    for u in frozen_units + ([] if root[1] else [root]):
+    for u in frozen_units + ([] if root[1] or early else [root]):
         t.add("gathered units", -held(u))
     return {"forward": forward, "backward": t.worst}

@@ -121,6 +121,13 @@ class Unit:
         self.fsdp.start_backward()
         if not self.gathered_for_backward:  # once, however many outputs the unit has
             self.gathered_for_backward = True
+            root = self.fsdp.root
+            if self is not root and not root.layout.numel:
+                # A root with nothing to train (LoRA on the layers alone) has no gradient to say its
+                # backward is over; the last layer's output gradient does: the output layer and final
+                # norm made it, and nothing in backward reads their weights again (layers run between
+                # the embedding and the norm, and a frozen embedding has no backward). `frozen.py`.
+                root.free()
             self.gather()
             self.wait()
             self.fsdp.prefetch(self, -1)
