@@ -264,7 +264,13 @@ def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
         start_gather(layers[-1])
     frozen_units = []  # gathered until backward ends
     early = not torch_impl and not root[1] and bool(layers)  # minidist frees a frozen root at the last layer's
-    for i in reversed(range(len(layers))):
+    # Backward reaches the layers only if something in or before them trains (LoRA on the output layer
+    # alone reaches none: the last one, prefetched, stays gathered until backward ends).
+    reached = any(trained for _, trained in layers) or root[1] > head
+    if layers and not reached:
+        finish_gather(layers[-1])
+        frozen_units.append(layers[-1])
+    for i in reversed(range(len(layers)) if reached else []):
         u, trained = layers[i], layers[i][1]
         if early and i == len(layers) - 1:
             t.add("gathered units", -held(root))
