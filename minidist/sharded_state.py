@@ -92,7 +92,7 @@ def set_state_dict(model, optimizer, model_sd: dict, optim_sd: dict, full: bool,
             saved = optim_sd["flats"].get(key, {}) if env.is_main else {}
             for m in MOMENTS:
                 scatter_flat(layout, saved.get(m), state[m], group)
-            step = (saved["step"].float().reshape(1) if env.is_main else torch.zeros(1)).to(flat.shard.device)
+            step = (saved["step"].float().reshape(1) if env.is_main else torch.zeros(1)).to(env.device)
             dist.broadcast(step, src=0)
             state["step"] = step.reshape(()).cpu()
         else:

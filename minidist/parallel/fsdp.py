@@ -55,6 +55,7 @@ single process on the whole batch and finds the same losses and weights.
 import torch
 from torch import nn
 
+from minidist.parallel import offload
 from minidist.parallel.flat import Flat, clip_sharded_grad_norm_, gather_parameters
 from minidist.parallel.precision import MixedPrecision
 from minidist.parallel.unit import Unit
@@ -68,9 +69,9 @@ class FullyShardedDataParallel(DataParallelWrapper):
     `model.parameters()` steps each rank's shard only."""
 
     def __init__(self, module: nn.Module, unit_classes=(), mixed_precision: MixedPrecision = MixedPrecision(),
-                 device: torch.device | None = None, process_group=None):
+                 device: torch.device | None = None, process_group=None, cpu_offload: bool = False):
         super().__init__(module, process_group)
-        self.mp = mixed_precision
+        self.mp, self.cpu_offload = mixed_precision, cpu_offload  # offload: masters and the step on the CPU (offload.py)
         device = device or torch.device("cpu")
         self.in_backward, self.pending = False, []
         self.unsharded = self.max_unsharded = 0
@@ -142,6 +143,7 @@ class FullyShardedDataParallel(DataParallelWrapper):
         for unit, handle, out, _ in self.pending:
             unit.finish_reduction(handle, out)
         self.pending.clear()
+        offload.wait_for_copies()  # --cpu_offload: the gradient shards' copies to the host, before the CPU reads them
         for unit in self.units:  # a prefetched unit that did not run after all
             unit.free()
         self.in_backward = False

@@ -13,9 +13,10 @@ The options that only the hand-written strategies have (`reduce_dtype`, `bucket_
 PyTorch's FSDP, say) is told so, instead of being silently ignored. `value` reads an option
 with its default filled in.
 
-The next options have their homes ready: CPU offload (a `cpu_offload` field, for the FSDPs to
-read) and hybrid sharding (a `replicate` field, for `mesh.data_parallel_mesh` to read: the mesh
-already names the shard and replicate dimensions). Neither is built yet, so neither is a flag.
+`cpu_offload` (ZeRO-Offload: `offload.py`) applies to the strategies that shard the optimizer
+states, by hand or PyTorch's FSDP2 (its `CPUOffloadPolicy`); DDP has no shard to put on the host.
+The next option has its home ready: hybrid sharding (a `replicate` field, for
+`mesh.data_parallel_mesh` to read: the mesh already names the shard and replicate dimensions).
 """
 
 import argparse
@@ -55,6 +56,8 @@ class ParallelOptions:
     bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB (default 25)",
                                           applies=(("minidist",), ("ddp", "zero1", "zero2")), flag_type=float)
     ddp_variant: str | None = _option(None, "bucketed (the default) or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
+    cpu_offload: bool = _option(False, "ZeRO-Offload: fp32 masters, optimizer states and the step in host memory, "
+                                "on the CPU (not with ddp)")
 
     DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed"}
 
@@ -82,6 +85,9 @@ class ParallelOptions:
                     self.impl not in impls or self.strategy not in strategies):
                 raise ValueError(f"--{f.name} only applies to --impl {' or '.join(impls)} with --strategy "
                                  f"{' or '.join(strategies)}, not {self.name}")
+        if self.cpu_offload and self.strategy == "ddp":
+            raise ValueError(f"--cpu_offload needs sharded optimizer states, which {self.name} does not have: use "
+                             f"--impl minidist --strategy zero1 or zero2, or --strategy fsdp (either --impl)")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"--bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         return self

@@ -1,0 +1,122 @@
+"""`--cpu_offload` (ZeRO-Offload, `parallel/offload.py`): same training, the model states split over two sides.
+
+- **Parity**: offloading moves tensors, not arithmetic. On the CPU every operation is the one the
+  run without offload does, so ZeRO-1, ZeRO-2 and FSDP by hand, fp32 and bf16, on 1 and 2 ranks,
+  with and without accumulation, give the same losses, gradient norms and weights, bit for bit,
+  as without offload (which tests/test_zero_fsdp.py holds to the single-process reference; the
+  fp32 runs here are held to it too). PyTorch's FSDP2 with its `CPUOffloadPolicy` against itself
+  without: bit for bit as well.
+- **Where things live**: masters, their gradients and Adam's moments on the host; the weights
+  the device computes with (FSDP: its compute-dtype shard) on the device.
+- **Resume**: a checkpoint written with offload (sharded for FSDP and ZeRO-1, full for ZeRO-2)
+  resumes into the same run, bit for bit.
+- **The estimator's device and host columns** against the measured split (`memory/sides.py`).
+"""
+
+import json
+
+import pytest
+import torch
+
+from minidist import models
+from minidist.launch import launch
+from offload_workers import measured_split, where_things_live
+from reference import train_reference
+from train_workers import run_finetunes
+from zero_fsdp_workers import run_plan
+
+GLOBAL_BATCH, STEPS, SEQ, LR, BUCKET_CAP_MB = 16, 4, 48, 3e-3, 0.05
+SHARDED = ("zero1", "zero2", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return str(models.write_tiny_llama(tmp_path_factory.mktemp("models") / "llama", hidden_size=64, num_layers=2,
+                                       tie_word_embeddings=True))
+
+
+def variants():
+    """Each sharded strategy, fp32 and bf16, without and with offload; PyTorch's FSDP2 in fp32."""
+    out = [dict(strategy=s, steps=STEPS, mixed_precision=p, cpu_offload=o)
+           for s in SHARDED for p in ("fp32", "bf16") for o in (False, True)]
+    return out + [dict(strategy="fsdp", steps=STEPS, impl="torch", cpu_offload=o) for o in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def parity_runs(llama):
+    """{world: rank 0's {accumulation: {variant: result}}}: one launch per world size."""
+    plan = [(accum, llama, accum, variants()) for accum in (1, 2)]
+    return {world: launch(run_plan, world, plan, GLOBAL_BATCH, SEQ, LR, BUCKET_CAP_MB, timeout_s=600)[0]
+            for world in (1, 2)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_offload_trains_exactly_as_without(parity_runs, llama, world, accum):
+    runs = parity_runs[world][accum]
+    offloaded = [name for name in runs if name.endswith("/offload")]
+    assert len(offloaded) == 7
+    for name in offloaded:
+        got, want = runs[name], runs[name[:-len("/offload")]]
+        assert got["losses"] == want["losses"], name  # floats compared exactly
+        assert got["grad_norms"] == want["grad_norms"], name
+        assert got["parameters"].keys() == want["parameters"].keys()
+        for key, tensor in want["parameters"].items():
+            assert torch.equal(got["parameters"][key], tensor), f"{name} {key}"
+
+
+def test_offload_in_fp32_matches_one_process(parity_runs, llama):
+    """The tolerances of tests/test_zero_fsdp.py: the split of the batch reorders fp32 sums."""
+    ref_losses, ref_params, _ = train_reference(llama, steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=SEQ, lr=LR)
+    for name, run in parity_runs[2][2].items():
+        if name.endswith("/offload") and "bf16" not in name:
+            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+            for key, tensor in ref_params.items():
+                torch.testing.assert_close(run["parameters"][key], tensor, rtol=1e-5, atol=LR / 50, msg=f"{name} {key}")
+
+
+def test_masters_and_their_gradients_live_on_the_host(llama):
+    for rank in launch(where_things_live, 2, llama, timeout_s=300):
+        for strategy, where in rank.items():
+            assert where["masters_host"] and where["masters_fp32"], strategy
+            assert where["grads_host"], strategy
+            assert where["num_grads"] > 0 or strategy == "zero1", strategy  # ZeRO-1's gradients stay on the device
+            assert not where["device_side_host"], strategy
+            assert where["device_side_dtype"] == {"torch.bfloat16"}, strategy
+
+
+# (strategy, checkpoint form) for the resume test: each form and each kind of flat (buckets, units).
+RESUMES = [("fsdp", "sharded"), ("zero1", "sharded"), ("zero2", "full")]
+
+
+def finetune_args(model, out, strategy, *extra, offload=True):
+    return ["--model", model, "--output_dir", str(out), "--impl", "minidist", "--strategy", strategy,
+            *(["--cpu_offload"] if offload else []),
+            "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
+            "--learning_rate", "3e-3", "--warmup_steps", "2", "--seed", "3", *extra]
+
+
+def test_an_offloaded_run_resumes_bitwise(llama, tmp_path):
+    """Per strategy: 6 steps straight; 6 steps saving at 3; then from checkpoint-3 to step 6 again.
+    The resumed run's losses and final weights are the uninterrupted run's, exactly. And the
+    training loop (which traces the first step's memory under a dispatch mode) with offload
+    gives the losses of the loop without it."""
+    argvs = []
+    for strategy, form in RESUMES:
+        root = tmp_path / strategy
+        argvs += [finetune_args(llama, root / "plain", strategy, offload=False),
+                  finetune_args(llama, root / "straight", strategy),
+                  finetune_args(llama, root / "saved", strategy, "--save_steps", "3", "--checkpoint_format", form),
+                  finetune_args(llama, root / "saved", strategy, "--checkpoint_format", form,
+                                "--resume", str(root / "saved" / "checkpoint-3"))]
+    results = launch(run_finetunes, 2, argvs, timeout_s=600)[0]
+    for i, (strategy, form) in enumerate(RESUMES):
+        plain, straight, saved, resumed = results[4 * i:4 * i + 4]
+        assert straight["losses"] == plain["losses"], strategy
+        assert saved["losses"] == straight["losses"], strategy
+        assert resumed["losses"] == straight["losses"], strategy
+        for name, tensor in straight["parameters"].items():
+            assert torch.equal(resumed["parameters"][name], tensor), f"{strategy} {name}"
+            assert torch.equal(plain["parameters"][name], tensor), f"{strategy} {name}"
+        checkpoint = json.loads((tmp_path / strategy / "saved" / "checkpoint-6" / "checkpoint.json").read_text())
+        assert checkpoint["step"] == 6
