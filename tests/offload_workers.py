@@ -66,15 +66,27 @@ def where_things_live(model_dir):
     return results
 
 
-def measured_split(model_dir, strategy, mixed_precision, batch, seq, bucket_cap_mb):
-    """One whole step's peak of live tensors on this rank, split into device and host
-    (`memory/sides.py`), with the second step measured (the first creates AdamW's states)."""
+def measured_split(model_dir, strategy, mixed_precision, batch, seq, bucket_cap_mb, games_path):
+    """One whole step of the loop (forward, backward, clipping, the optimizer step), its peak of
+    live tensors on this rank split into device and host (`memory/sides.py`). The second step is
+    measured: the first creates AdamW's states."""
+    from minidist import data, finetune, models
     from minidist.memory.sides import SplitLiveTensors
 
+    env = get_env()
     impl, model, optimizer = _wrapped(model_dir, strategy, mixed_precision, True, bucket_cap_mb)
-    data = _batch(model_dir, batch, seq)
-    _step(model, optimizer, data)
+    tokenizer = models.load_tokenizer(model_dir)
+    sequences = data.tokenize_games(data.load_games(games_path), tokenizer, seq)
+    mine = data.collate(sequences[env.rank * batch:(env.rank + 1) * batch], tokenizer.pad_token_id)
+    num_targets = sum(len(sequences[i]) - 1 for i in range(env.world_size * batch))
+
+    def step():
+        finetune.train_step(model, impl, [mine], num_targets, env.world_size)
+        impl.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+
+    step()
     optimizer.zero_grad(set_to_none=True)
-    with SplitLiveTensors(get_env().device, model, optimizer) as live:
-        _step(model, optimizer, data)
+    with SplitLiveTensors(env.device, model, optimizer) as live:
+        step()
     return {"device": live.device_peak, "host": live.host_peak, "peak": live.peak}

@@ -43,6 +43,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _HOST = {}  # id(storage) -> a weak reference to it: the storages placed on the host side
+_placing = [False]  # host_empty is allocating
 _copying = False  # an asynchronous copy to the host may still be running (`wait_for_copies`)
 
 
@@ -68,7 +69,16 @@ def is_host(t: torch.Tensor) -> bool:
 
 def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor, pinned where there is a GPU to copy to and from."""
-    return register_host(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=_pin()))
+    _placing[0] = True  # a tracer watching allocations sees it as host memory from the start (`placing`)
+    try:
+        return register_host(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=_pin()))
+    finally:
+        _placing[0] = False
+
+
+def placing() -> bool:
+    """Whether the tensor being allocated now is placed on the host by `host_empty`."""
+    return _placing[0]
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
@@ -88,7 +98,8 @@ def wait_for_copies() -> None:
     global _copying
     if _copying:
         torch.cuda.current_stream().synchronize()
-        _copying = False
+        _placing = [False]  # host_empty is allocating
+_copying = False
 
 
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
