@@ -161,3 +161,42 @@ def test_the_estimates_device_and_host_columns_are_the_measured_split(weighty, s
             assert abs(got[side] - want[side]) <= 0.05 * want[side], f"rank {rank} {side}: measured {got[side]}, " \
                                                                        f"estimated {want[side]}"
         assert got["device"] < 0.8 * whole["peak"]  # what offload is for
+
+
+@pytest.mark.parametrize("impl", ["torch", "minidist"])
+def test_offload_with_ddp_is_refused_in_one_line(tiny_model, tmp_path, capsys, impl):
+    """DDP has no optimizer shard to put on the host: one line, exit 2, naming what to use instead."""
+    from minidist import finetune
+    from test_bad_input import said
+
+    line = said(finetune.main, ["--model", tiny_model, "--output_dir", str(tmp_path), "--impl", impl, "--strategy", "ddp",
+                                "--cpu_offload"], capsys)
+    assert f"--cpu_offload needs sharded optimizer states, which {impl}/ddp does not have" in line
+    assert "--strategy zero1 or zero2, or --strategy fsdp" in line
+    line = said(memory_command_main, ["codellama/CodeLlama-7b-hf", "--strategy", "ddp", "--impl", impl, "--cpu_offload"],
+                capsys)
+    assert "--cpu_offload needs sharded optimizer states" in line
+
+
+def memory_command_main(argv):
+    from minidist.memory import __main__ as memory_command
+
+    memory_command.main(argv)
+
+
+def test_the_memory_command_prints_a_device_and_a_host_column(capsys):
+    """CodeLlama-7b, FSDP by hand on 8 GPUs, bf16: the device keeps its compute-dtype shard, the
+    host the fp32 master, its gradient, Adam's moments and the step's temporary (4 x 3.37 + 3.37 GB)."""
+    memory_command_main(["codellama/CodeLlama-7b-hf", "--world_size", "8", "--strategy", "fsdp", "--impl", "minidist",
+                         "--max_seq_length", "1024", "--cpu_offload"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[4].split() == ["device", "host"]
+    columns = {line[:34].strip(): (line[35:45].strip(), line[46:].strip()) for line in lines[5:]}
+    assert columns["optimizer states (AdamW)"] == ("", "6.74 GB")
+    assert columns["parameters"] == ("", "3.37 GB")  # the fp32 shard: the master
+    assert columns["compute-dtype shard (FSDP)"] == ("1.68 GB", "")
+    assert columns["activations saved for backward"][1] == ""
+    device, host = columns["peak per rank, each side"]
+    assert host == "16.85 GB" and float(device.split()[0]) < 11
+    assert "over PCIe per step and rank: 3.37 GB of gradients out, 1.68 GB of weights back" in out

@@ -55,6 +55,21 @@ def sides(s, setup, at: dict) -> dict:
             "device_shard": copy}
 
 
+def side(term: str, setup) -> str:
+    """"device" or "host": the side of one of the estimate's terms (`estimate`'s keys) under offload."""
+    host = HOST | HOST_BY_STRATEGY.get(setup.strategy, set()) | {"optimizer_step"}
+    if setup.strategy == "fsdp":
+        host = host | {"gradients"}
+    return "host" if term in host else "device"
+
+
+def columns(s, setup, terms: dict) -> list[tuple[str, int, str]]:
+    """(term, bytes, side) for the report's table, with FSDP's device shard."""
+    rows = [(k, v, side(k, setup)) for k, v in terms.items() if k not in ("peak", "device", "host")]
+    rows.insert(3, ("device_shard", device_copy(s, setup), "device"))
+    return rows
+
+
 def pcie_bytes(s, setup) -> dict:
     """Bytes one rank moves over the host link per optimizer step: its shard's gradient out, the
     updated weights back (ZeRO: its shard in the weights' dtype, then all-gathered on the device;
