@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.bench import timeline
+from minidist.bench import offload, timeline
 from minidist.bench.strategies import time_steps
 
 SETUPS = [("torch", "ddp"), ("minidist", "ddp"), ("minidist", "zero1"), ("minidist", "zero2"),
@@ -226,8 +226,11 @@ def main(args) -> None:
                     rows.append(run_setup(impl, strategy_name, checkpointing, path, sizes, env, shape,
                                           profile_to=out if traced else None))
                     free(env.device)
+            print("with and without --cpu_offload ...", flush=True)  # bench/offload.py: ZeRO-Offload's price
+            offloaded = offload.compare(path, sizes, env, shape, random_batches(shape.vocab_size, sizes["batch"],
+                                                                               sizes["seq"], env.device), ACCUMULATION)
         big_rows, note = codellama(env, sizes, started)
-        text = table(rows + big_rows)
+        text = table(rows + big_rows) + "\n\n" + offloaded
         print(text + "\n\n" + note)
         (out / "table.md").write_text(text + "\n")
         print(f"\nwrote {out / 'table.md'}, {out / 'trace_minidist_fsdp.json'} and {out / 'timeline_minidist_fsdp.png'}"
