@@ -71,6 +71,7 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
     started = time.perf_counter()
     torch.manual_seed(env.rank)
     options = {"bucket_cap_mb": bucket_cap_mb} if strategy != "fsdp" else {}  # several buckets, not one
+    apart = impl == "minidist"  # PyTorch's FSDP2 shards each rank's own weights, with no broadcast: not apart
     impl = get_strategy(ParallelOptions(strategy, impl, layer_wrap_policy=wrap, mixed_precision=mixed_precision,
                                         cpu_offload=cpu_offload, **options), env)
     if meta:  # FSDP: rank 0 reads the weights, the others only build shapes
@@ -79,9 +80,9 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
         checksum_before = None
     else:
         model = models.load_model(model_dir)
-        with torch.no_grad():  # PyTorch's FSDP2 shards each rank's own weights, with no broadcast: not apart
+        with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn_like(p) * env.rank * (impl == "minidist"))
+                p.add_(torch.randn_like(p) * env.rank * apart)
         checksum_before = sum(p.double().sum().item() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # a tied weight once
     if checkpointing:
