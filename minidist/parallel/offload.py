@@ -121,7 +121,7 @@ def gradient_for(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The fp32 gradient for a master weight, on the master's side (ZeRO's step: its shard's gradient)."""
     if not is_host(master) or is_host(grad):
         return grad.to(torch.float32)  # a view where it already is fp32
-    return to_host(grad, torch.float32)
+    return to_host(grad).to(torch.float32)  # over PCIe in the gradient's dtype (bf16: half the bytes), cast on the CPU
 
 
 class DeviceCopy:
