@@ -25,6 +25,9 @@ accumulation 2, the first under `no_sync`), `clip_grad_norm_`, the optimizer ste
 - the step time as a ratio to PyTorch's: DDP, ZeRO-1 and ZeRO-2 by hand to PyTorch's DDP, FSDP
   by hand to FSDP2, with the same checkpointing.
 
+A second table (`offload.py`) sets ZeRO-2 and FSDP by hand with `--cpu_offload` beside
+themselves without it: step time, the device's peak, the estimate's device and host columns.
+
 On a GPU with at least 120 GB it also times CodeLlama-7b's real shapes (the bundled config,
 random weights made on the GPU, nothing downloaded) with FSDP, checkpointing, batch 1 x 512: 16
 bytes per parameter are about 108 GB. It saves a `torch.profiler` trace of one minidist FSDP step
