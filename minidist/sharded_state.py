@@ -96,7 +96,7 @@ def set_state_dict(model, optimizer, model_sd: dict, optim_sd: dict, full: bool,
                 for m in MOMENTS:
                     scatter_flat(layout, saved.get(m), state[m], group)
             broadcast_from_first_copy([flat.shard] + [state[m] for m in MOMENTS], mesh.replicate_group)
-            step = (saved["step"].float().reshape(1) if env.is_main else torch.zeros(1)).to(flat.shard.device)
+            step = (saved["step"].float().reshape(1) if env.is_main else torch.zeros(1)).to(env.device)
             dist.broadcast(step, src=0)
             state["step"] = step.reshape(()).cpu()
         else:

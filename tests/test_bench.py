@@ -59,6 +59,10 @@ def test_the_gpu_check_runs_its_code_on_the_cpu_with_smoke(tmp_path):
         assert RATIO.fullmatch(row[8]), row  # the peak against the estimate
         assert row[9] == "reference" if setup.startswith("torch/") else RATIO.fullmatch(row[9]), row
     assert "CodeLlama-7b: skipped" in done.stdout
+    offload = [line.split("|")[1:-1] for line in lines if line.startswith("| minidist/") and "| o" in line]
+    assert [(r[0].strip(), r[1].strip()) for r in offload] == [(f"minidist/{s}", o) for s in ("zero2", "fsdp")
+                                                               for o in ("off", "on")]  # bench/offload.py's rows
+    assert all(" ms" in r[2] and RATIO.fullmatch(r[3].strip()) for r in offload), offload
     assert (out / "table.md").read_text().count("| Llama") == 12
     trace = out / "trace_minidist_fsdp.json"
     assert trace.stat().st_size > 0 and json.loads(trace.read_text())["traceEvents"]

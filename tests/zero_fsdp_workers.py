@@ -15,16 +15,18 @@ import torch.distributed as dist
 from minidist.distributed import get_env
 
 
-def variant_name(strategy, mixed_precision="fp32", wrap=True, checkpointing=False, meta=False) -> str:
-    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`."""
-    parts = [strategy, *(["bf16"] if mixed_precision == "bf16" else []), *([] if wrap else ["no-wrap"]),
-             *(["ckpt"] if checkpointing else []), *(["meta"] if meta else [])]
+def variant_name(strategy, mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False,
+                 impl="minidist") -> str:
+    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`, `torch/fsdp/offload`."""
+    parts = [*(["torch"] if impl == "torch" else []), strategy, *(["bf16"] if mixed_precision == "bf16" else []),
+             *([] if wrap else ["no-wrap"]), *(["ckpt"] if checkpointing else []), *(["meta"] if meta else []),
+             *(["offload"] if cpu_offload else [])]
     return "/".join(parts)
 
 
 def _flats(model, strategy):
-    """The flat layouts of a wrapped model: ZeRO's buckets, FSDP's units; none for DDP."""
-    return [flat.layout for flat in model.flats()]
+    """The flat layouts of a wrapped model: ZeRO's buckets, FSDP's units; none for DDP or PyTorch's FSDP2."""
+    return [flat.layout for flat in model.flats()] if hasattr(model, "flats") else []
 
 
 def run_plan(plan, global_batch, seq_len, lr, bucket_cap_mb):
@@ -53,7 +55,7 @@ def run_plan(plan, global_batch, seq_len, lr, bucket_cap_mb):
 
 
 def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, strategy, steps,
-              mixed_precision="fp32", wrap=True, checkpointing=False, meta=False):
+              mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False, impl="minidist"):
     """Train one variant from weights that differ by rank; return what the tests check.
 
     Rank 0 keeps the weights in `model_dir`; the other ranks add noise to theirs before wrapping
@@ -69,7 +71,9 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
     started = time.perf_counter()
     torch.manual_seed(env.rank)
     options = {"bucket_cap_mb": bucket_cap_mb} if strategy != "fsdp" else {}  # several buckets, not one
-    impl = get_strategy(ParallelOptions(strategy, "minidist", layer_wrap_policy=wrap, mixed_precision=mixed_precision, **options), env)
+    apart = impl == "minidist"  # PyTorch's FSDP2 shards each rank's own weights, with no broadcast: not apart
+    impl = get_strategy(ParallelOptions(strategy, impl, layer_wrap_policy=wrap, mixed_precision=mixed_precision,
+                                        cpu_offload=cpu_offload, **options), env)
     if meta:  # FSDP: rank 0 reads the weights, the others only build shapes
         model = impl.load_model(model_dir)
         assert all(p.is_meta for p in model.parameters()) == (env.rank > 0)
@@ -78,7 +82,7 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
         model = models.load_model(model_dir)
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn_like(p) * env.rank)
+                p.add_(torch.randn_like(p) * env.rank * apart)
         checksum_before = sum(p.double().sum().item() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # a tied weight once
     if checkpointing:
@@ -109,7 +113,7 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
         "parameters": impl.full_state_dict(model),  # every rank takes part; rank 0 gets it
         "seconds": time.perf_counter() - started,  # for choosing what a launch can afford
     }
-    if strategy == "fsdp":
+    if strategy == "fsdp" and impl.options.impl == "minidist":
         result.update(max_unsharded=model.max_unsharded, unsharded_after=model.unsharded,
                       num_layer_units=len(model.layer_units))
     return result

@@ -25,6 +25,9 @@ accumulation 2, the first under `no_sync`), `clip_grad_norm_`, the optimizer ste
 - the step time as a ratio to PyTorch's: DDP, ZeRO-1 and ZeRO-2 by hand to PyTorch's DDP, FSDP
   by hand to FSDP2, with the same checkpointing.
 
+A second table (`offload.py`) sets ZeRO-2 and FSDP by hand with `--cpu_offload` beside
+themselves without it: step time, the device's peak, the estimate's device and host columns.
+
 On a GPU with at least 120 GB it also times CodeLlama-7b's real shapes (the bundled config,
 random weights made on the GPU, nothing downloaded) with FSDP, checkpointing, batch 1 x 512: 16
 bytes per parameter are about 108 GB. It saves a `torch.profiler` trace of one minidist FSDP step
@@ -44,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.bench import timeline
+from minidist.bench import offload, timeline
 from minidist.bench.strategies import time_steps
 
 SETUPS = [("torch", "ddp"), ("minidist", "ddp"), ("minidist", "zero1"), ("minidist", "zero2"),
@@ -226,8 +229,11 @@ def main(args) -> None:
                     rows.append(run_setup(impl, strategy_name, checkpointing, path, sizes, env, shape,
                                           profile_to=out if traced else None))
                     free(env.device)
+            print("with and without --cpu_offload ...", flush=True)  # bench/offload.py: ZeRO-Offload's price
+            offloaded = offload.compare(path, sizes, env, shape, random_batches(shape.vocab_size, sizes["batch"],
+                                                                               sizes["seq"], env.device), ACCUMULATION)
         big_rows, note = codellama(env, sizes, started)
-        text = table(rows + big_rows)
+        text = table(rows + big_rows) + "\n\n" + offloaded
         print(text + "\n\n" + note)
         (out / "table.md").write_text(text + "\n")
         print(f"\nwrote {out / 'table.md'}, {out / 'trace_minidist_fsdp.json'} and {out / 'timeline_minidist_fsdp.png'}"

@@ -40,9 +40,8 @@ source's length) and recomputes a layer at a time in backward: its activations r
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
 falls and what is alive then; the terms above are each one's own size, not all alive at once.
-Not counted: the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory
-80GB` (8e10 bytes) for an A100 that reports 85.1e9 leaves them about 5 GB.
-
+Not counted: the CUDA context, NCCL and the caching allocator's fragmentation (`--gpu_memory 80GB`
+for an A100 that reports 85.1e9 leaves them 5 GB). `--cpu_offload`: device and host, `offload_split.py`.
 Tested against measurement for Llama, Mistral, Qwen2, Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral,
 GPT-2, Qwen2-MoE, T5, BART (test_trace.py, test_memory.py); an untraceable one: a ValueError naming it.
 """
@@ -55,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.memory import cache, hybrid, lora_terms, moments, trace
+from minidist.memory import cache, hybrid, lora_terms, moments, offload_split, trace
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
@@ -187,7 +186,7 @@ def model_states(s: Shape, setup: Setup) -> dict:
         return lora_terms.model_states(s, setup)
     k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
     zero_paper = setup.options.mixed_precision == "bf16" and k in ("zero1", "zero2")
-    w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8)
+    w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8 + 4 * (setup.options.cpu_offload and k != "fsdp"))  # offload: ZeRO's master a copy
     return {
         "parameters": w * (shard if k == "fsdp" else full),
         "gradients": g * (shard if k in ("zero2", "fsdp") else full),
@@ -256,11 +255,12 @@ def estimate(s: Shape, setup: Setup) -> dict:
     extra, setup = hybrid.all_reduce_buffer(s, setup), hybrid.as_fsdp(setup)  # HSDP: FSDP on S ranks, plus
     states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)
     at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts), extra)
-    peak = max(sum(terms.values()) for terms in at.values())
+    sides = offload_split.sides(s, setup, at) if setup.options.cpu_offload else {}  # device and host columns
+    peak = sides["device"] if sides else max(sum(terms.values()) for terms in at.values())  # offload: the GPU's
     bufs["optimizer_step"] = at["step"]["optimizer step temporary"]  # AdamW's, as the step makes it
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
             "weight_copies": acts["weight_copies"], "recompute": acts["recompute"], "logits": acts["logits"],
-            "peak": peak}
+            "peak": peak, **{k: sides[k] for k in ("device", "host") if sides}}
 
 
 def peak_moment(s: Shape, setup: Setup) -> tuple[str, dict]:

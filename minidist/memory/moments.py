@@ -79,7 +79,8 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
             at["backward"] = {**kept, "reduce-scatter": max((cast + 4 * gloo) * b + 4 * _shard(b, n) for b in sizes)}
         else:  # the shards' gradients come in backward (`_zero2_backward`)
             at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": w * P if accum else 0}
-            at["backward"] = {**kept, **_zero2_backward(sizes, n, w, acts["saved"], P, w if accum else 0)}
+            at["backward"] = {**kept, **_zero2_backward(sizes, n, w, acts["saved"], P, w if accum else 0,
+                                                               o.cpu_offload, s.head_linear_params)}
             kept["gradients"] = states["gradients"]  # all of them, for the step
         # Per group of buckets (zero.STEP_BYTES of masters): the fp32 copies of bf16 gradient
         # shards and AdamW's temporary; then each bucket's all-gather.
@@ -93,28 +94,33 @@ def moments(s, setup, states: dict, acts: dict) -> dict:
     return at
 
 
-def _zero2_backward(sizes, n, w, saved, P, accumulated) -> dict:
+def _zero2_backward(sizes, n, w, saved, P, accumulated, offload=False, head=0) -> dict:
     """ZeRO-2, bucket by bucket in backward's order, at the two moments that can peak:
     - a bucket opens (its first gradient came): its flat fp32 gradient is allocated beside the
       one on the wire (fp32 input and output shard), while the activations of its layers and of
       those still to come are alive, and with accumulation (`accumulated` bytes per element) so
       are the kept gradients of its parameters and of those still to come (each goes once it is
-      copied into the flat buffer);
+      copied into the flat buffer); the first bucket opens with the output layer's gradient as
+      autograd made it (`head` elements), before it is copied in;
     - a bucket is sent: the previous one's collective is done, the flat buffer and its output shard.
     The shards' gradients (`w` bytes per element) are made by the reduce-scatters and let go by
-    `zero_grad`, so only the buckets already reduced hold theirs."""
+    `zero_grad`, so only the buckets already reduced hold theirs. With `offload` those are in host
+    memory (`offload_split.py`): the device's worst moment is sought without them."""
+    weight = lambda now: sum(v for k, v in now.items() if not (offload and k == "gradients"))  # noqa: E731
     worst, done, landed = {}, 0, 0
     for i, b in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
         on_wire = 4 * previous + 4 * _shard(previous, n) if i else 0
-        opening = {"buckets in flight": 4 * b + on_wire, "gradients": landed - w * _shard(previous, n),
+        first = i == 0 and not accumulated  # the output layer's gradient, being made
+        opening = {"buckets in flight": 4 * b + on_wire + (w * head if first else 0),
+                   "gradients": landed - w * _shard(previous, n),
                    "activations still saved": saved * (P - done) // P,
                    "accumulated gradients": accumulated * (P - done)}
         sending = {"buckets in flight": 4 * b + 4 * _shard(b, n), "gradients": landed,
                    "activations still saved": saved * max(P - done - b, 0) // P,
                    "accumulated gradients": accumulated * (P - done - b)}
         for now in (opening, sending):
-            if sum(now.values()) > sum(worst.values()):
+            if weight(now) > weight(worst):
                 worst = now
         done += b
         landed += w * _shard(b, n)
@@ -163,7 +169,8 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
         root, layers, rest = s.num_params, [], acts["saved"]
     kept_grad = 4 if torch_impl else c  # bytes per element of the accumulated full gradients
     t = _Timeline({**kept, "accumulated gradients": kept_grad * s.num_params if accum else 0})
-    send = lambda u: c * _shard(u, n) if c == 2 else 0  # noqa: E731 (the bf16 copy of the fp32 shard, sent)
+    offload = setup.options.cpu_offload and not torch_impl  # the compute-dtype shard is kept on the device: sent as it is
+    send = lambda u: c * _shard(u, n) if c == 2 and not offload else 0  # noqa: E731 (the bf16 copy of the fp32 shard, sent)
     lingering = [0]  # FSDP2: the last all-gather buffer, let go at the next copy-out
     single = torch_impl and n == 1  # FSDP2 on one rank: no collectives, the shard is the whole unit
     held = lambda u: (c * u if c == 2 else 0) if single else c * u  # noqa: E731 (a gathered unit: fp32 views, or a bf16 copy)
@@ -223,7 +230,7 @@ def _fsdp(s, setup, kept, acts, c, gloo, accum) -> dict:
             t.add("reduce-scatters", 0 if torch_impl else copy * size)  # minidist's async call: seen at the wait
             t.add("reduce-scatters", -sent - out - (0 if torch_impl else copy * size))
             t.add(full, 0 if sent else -kept_grad * size)  # no copy was sent: the full gradient itself was
-            t.add("gradients", out)
+            t.add("host gradients" if setup.options.cpu_offload else "gradients", out)  # offload: copied out
         pending.clear()
 
     def concatenate(u):

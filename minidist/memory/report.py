@@ -10,7 +10,7 @@ tensors (`tracker.py`).
 import re
 from dataclasses import replace
 
-from minidist.memory import tracker
+from minidist.memory import offload_split, tracker
 from minidist.memory.estimator import (GB, Setup, Shape, activations, as_dict, estimate, largest_batch, peak_moment,
                                        setup)
 from minidist.parallel.options import STRATEGIES
@@ -55,6 +55,7 @@ LABELS = {
     "activations": "activations saved for backward", "activations_per_layer": "  one decoder layer, in full",
     "weight_copies": "bf16 weight copies (autocast)", "recompute": "recomputed layer (checkpointing)",
     "logits": "logits and their gradients", "optimizer_step": "optimizer step temporary", "peak": "peak per rank",
+    "device_shard": "compute-dtype shard (FSDP)",
 }
 
 
@@ -66,6 +67,8 @@ def report(s: Shape, setup: Setup, gpu_memory: float | None = None, trace: bool 
     result = {"model": s.name, "architecture": s.architecture, "num_params": s.num_params,
               "setup": as_dict(setup), "bytes": estimate(s, setup), "traced": _traced_as(s, setup),
               "peak_moment": moment, "alive_at_peak": alive}
+    if setup.options.cpu_offload:  # (term, bytes, "device" or "host"): the table's two columns
+        result.update(sides=offload_split.columns(s, setup, result["bytes"]), pcie=offload_split.pcie_bytes(s, setup))
     if gpu_memory is not None:
         result.update(gpu_memory=gpu_memory, fits=result["bytes"]["peak"] <= gpu_memory,
                       largest_batch_per_device=largest_batch(s, setup, gpu_memory))
@@ -100,7 +103,15 @@ def format_report(r: dict) -> str:
              + (f" > {u['target_length']} target tokens" if u["target_length"] else "")
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")
              + ("" if u["layer_wrap_policy"] or u["strategy"] != "fsdp" else ", no layer wrap policy"), ""]
-    lines += [f"{label:<34} {_size(r['bytes'][k]):>10}" for k, label in LABELS.items() if r["bytes"][k] or k == "peak"]
+    if "host" in r["bytes"]:  # --cpu_offload: each term in the column of the side that holds it (offload_split.py)
+        lines += [f"{'':<34} {'device':>10} {'host':>10}"] + [
+            f"{LABELS[k]:<34} " + (f"{_size(v):>10} {'':>10}" if where == "device" else f"{'':>10} {_size(v):>10}")
+            for k, v, where in r["sides"] if v and k in LABELS]
+        lines.append(f"{'peak per rank, each side':<34} {_size(r['bytes']['device']):>10} {_size(r['bytes']['host']):>10}")
+        lines.append(f"over PCIe per step and rank: {_size(r['pcie']['device_to_host'])} of gradients out, "
+                     f"{_size(r['pcie']['host_to_device'])} of weights back")
+    else:
+        lines += [f"{label:<34} {_size(r['bytes'][k]):>10}" for k, label in LABELS.items() if r["bytes"].get(k) or k == "peak"]
     alive = ", ".join(f"{term.replace('_', ' ')} {_size(n)}" for term, n in r["alive_at_peak"].items() if n)
     lines.append(f"(the peak falls in {r['peak_moment']}: {alive})")
     if "fits" in r:

@@ -80,11 +80,20 @@ class Flat:
         return self.names[0][0]
 
 
+def collective_device(t: torch.Tensor, group=None) -> torch.device:
+    """Where a collective on `t` runs: NCCL only moves GPU memory, so a host tensor (`offload.py`)
+    goes through the current GPU; gloo takes `t` where it is."""
+    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
 @torch.no_grad()
 def gather_flat(layout: FlatLayout, shard: torch.Tensor, group=None) -> torch.Tensor:
     """Every rank's fp32 `shard` all-gathered: the whole flat, padded, on every rank."""
-    full = torch.empty(layout.padded_numel, dtype=torch.float32, device=shard.device)
-    dist.all_gather_into_tensor(full, shard.detach().float().contiguous(), group=group)
+    device = collective_device(shard, group)  # a host shard (--cpu_offload) is gathered on the GPU under NCCL
+    full = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
+    dist.all_gather_into_tensor(full, shard.detach().to(device, torch.float32).contiguous(), group=group)
     return full
 
 
@@ -92,11 +101,11 @@ def gather_flat(layout: FlatLayout, shard: torch.Tensor, group=None) -> torch.Te
 def scatter_flat(layout: FlatLayout, full: torch.Tensor | None, out: torch.Tensor, group=None) -> None:
     """The group's first rank's `full` (flat, padded or not) cut into shards; this rank's into `out`."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    chunks = None
+    chunks, device = None, collective_device(out, group)  # a host shard (--cpu_offload): through the GPU on NCCL
     if dist.get_rank() == src:
         padded = nn.functional.pad(full.float().reshape(-1), (0, layout.padded_numel - full.numel()))
-        chunks = list(padded.to(out.device).chunk(layout.padded_numel // layout.shard_numel))
-    received = torch.empty(layout.shard_numel, dtype=torch.float32, device=out.device)
+        chunks = list(padded.to(device).chunk(layout.padded_numel // layout.shard_numel))
+    received = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
     comm.scatter(received, chunks, src=src, group=group)
     out.copy_(received)
 
@@ -127,10 +136,10 @@ def _cpu_copies(flat: Flat, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
 def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> float:
     """Clip by the norm of the whole gradient when each rank holds a shard of it: each rank sums
     the squares of its own elements (padding is zero), one all-reduce of one number adds them up."""
-    total = torch.stack([g.float().pow(2).sum() for g in shards]).sum()
+    total = sum(g.float().pow(2).sum().to(collective_device(g, group)) for g in shards)  # host and device shards
     dist.all_reduce(total, group=group)  # a single number: not counted in the step's bytes
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
     for g in shards:
-        g.mul_(scale.to(g.dtype))
+        g.mul_(scale.to(g.device, g.dtype))
     return float(norm)

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minidist.parallel import offload
 from minidist.parallel.flat import Flat, clip_sharded_grad_norm_, gather_parameters
 from minidist.parallel.mesh import broadcast_from_first_copy
 from minidist.parallel.precision import MixedPrecision
@@ -78,9 +79,10 @@ class FullyShardedDataParallel(DataParallelWrapper):
     `model.parameters()` steps each rank's shard only."""
 
     def __init__(self, module: nn.Module, unit_classes=(), mixed_precision: MixedPrecision = MixedPrecision(),
-                 device: torch.device | None = None, process_group=None, replicate_group=None):
+                 device: torch.device | None = None, process_group=None, replicate_group=None,
+                 cpu_offload: bool = False):
         super().__init__(module, process_group)
-        self.mp = mixed_precision
+        self.mp, self.cpu_offload = mixed_precision, cpu_offload  # offload: masters and the step on the CPU (offload.py)
         device = device or torch.device("cpu")
         # HSDP: the copies of each shard, one per node (mesh.py); none: FSDP over `process_group` alone.
         self.replicate_group = replicate_group
@@ -160,6 +162,7 @@ class FullyShardedDataParallel(DataParallelWrapper):
         for unit, handle, out in self.replicating:
             unit.accumulate(handle, out)
         self.replicating.clear()
+        offload.wait_for_copies()  # --cpu_offload: the gradient shards' copies to the host, before the CPU reads them
         for unit in self.units:  # a prefetched unit that did not run after all
             unit.free()
         self.in_backward = False

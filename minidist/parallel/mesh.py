@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from minidist.distributed import device_mesh
 from minidist.parallel import comm
+from minidist.parallel.flat import collective_device
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard")  # torchtitan's names, outer dimension first
 
@@ -102,4 +103,8 @@ def broadcast_from_first_copy(tensors, replicate_group) -> None:
         return
     src = dist.get_global_rank(replicate_group, 0)
     for tensor in tensors:
-        comm.broadcast(tensor.data, src=src, group=replicate_group)
+        device = collective_device(tensor, replicate_group)  # a host shard (--cpu_offload): through the GPU on NCCL
+        sent = tensor.data.to(device)
+        comm.broadcast(sent, src=src, group=replicate_group)
+        if sent is not tensor.data:
+            tensor.data.copy_(sent)

@@ -14,8 +14,9 @@ PyTorch's FSDP, say) is told so, instead of being silently ignored. `value` read
 with its default filled in.
 
 Hybrid sharding is `--strategy hsdp` with `--hsdp_shard_size N` (the ranks that shard one copy,
-by default the ranks of a node: `mesh.data_parallel_mesh` builds the groups). CPU offload has its
-home ready (a `cpu_offload` field, for the FSDPs to read); it is not built yet, so it is no flag.
+by default the ranks of a node: `mesh.data_parallel_mesh` builds the groups). `cpu_offload`
+(ZeRO-Offload: `offload.py`) applies to the strategies that shard the optimizer states, by hand
+or PyTorch's FSDP2 (its `CPUOffloadPolicy`); DDP has no shard to put on the host.
 """
 
 import argparse
@@ -58,6 +59,8 @@ class ParallelOptions:
     bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB (default 25)",
                                           applies=(("minidist",), ("ddp", "zero1", "zero2")), flag_type=float)
     ddp_variant: str | None = _option(None, "bucketed (the default) or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
+    cpu_offload: bool = _option(False, "ZeRO-Offload: fp32 masters, optimizer states and the step in host memory, "
+                                "on the CPU (not with ddp)")
 
     DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed"}
 
@@ -87,6 +90,9 @@ class ParallelOptions:
                                  f"{' or '.join(strategies)}, not {self.name}")
         if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
             raise ValueError(f"--hsdp_shard_size must be at least 1, got {self.hsdp_shard_size}")
+        if self.cpu_offload and self.strategy == "ddp":
+            raise ValueError(f"--cpu_offload needs sharded optimizer states, which {self.name} does not have: use "
+                             f"--impl minidist --strategy zero1 or zero2, or --strategy fsdp (either --impl)")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"--bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         return self

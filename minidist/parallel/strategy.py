@@ -196,7 +196,7 @@ class MinidistZeRO(ShardedByHand):
 
         stage = int(self.options.strategy[-1])
         return ZeroDP(model.to(self.env.device), stage, self.mp, self.options.value("bucket_cap_mb"),
-                      self.mesh.shard_group)
+                      self.mesh.shard_group, self.options.cpu_offload)
 
     def build_optimizer(self, model, lr, weight_decay=0.0):
         from minidist.parallel.zero import ShardedOptimizer
@@ -224,7 +224,7 @@ class MinidistFSDP(ShardedByHand):
 
         classes = wrap_policy_classes(model) if self.options.layer_wrap_policy else ()
         return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group,
-                                        self.mesh.replicate_group)  # HSDP: the copies across nodes
+                                        self.mesh.replicate_group, self.options.cpu_offload)  # HSDP: the copies
 
 
 class TorchFSDP(Strategy):
@@ -232,9 +232,11 @@ class TorchFSDP(Strategy):
     On HSDP's 2-D mesh (`--strategy hsdp`) fully_shard replicates along dim 0 and shards along dim 1."""
 
     def wrap(self, model):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         kwargs = {"mesh": self.mesh.shard_device_mesh()}
+        if self.options.cpu_offload:  # sharded parameters, gradients and optimizer states on the host
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs a GPU
         if self.options.mixed_precision == "bf16":
             # Parameters are all-gathered in bf16, gradients reduce-scattered in fp32.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

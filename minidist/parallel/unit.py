@@ -15,7 +15,7 @@ output layer are all frozen): an empty flat is neither gathered nor handed to `f
 import torch
 from torch import nn
 
-from minidist.parallel import comm
+from minidist.parallel import comm, offload
 from minidist.parallel.flat import FlatLayout, scatter_flat
 from minidist.parallel.frozen import FrozenFlat
 from minidist.parallel.mesh import broadcast_from_first_copy
@@ -41,7 +41,9 @@ class Unit:
         # Load once and shard: rank 0 flattens the weights and sends shard r to rank r.
         shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
         load_shard(fsdp, self.layout, params, shard)
-        self.flat_param = nn.Parameter(shard)
+        # --cpu_offload: the fp32 shard (the master) on the host, a compute-dtype copy on the device (offload.py)
+        self.flat_param = nn.Parameter(offload.to_host(shard) if fsdp.cpu_offload else shard)
+        self.device_shard = offload.DeviceCopy(self.flat_param, device, fsdp.mp.param_dtype) if fsdp.cpu_offload else None
         module.register_parameter("flat_param", self.flat_param)
         for owner, attr, _, _ in self.slots + self.frozen_slots:
             del owner._parameters[attr]  # from now on a plain attribute, set to a view when gathered
@@ -64,7 +66,8 @@ class Unit:
             self.frozen.gather()
         if self.layout.numel:
             self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
-            self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)  # bf16: half the bytes
+            self._send = (self.device_shard.get() if self.device_shard  # bf16: half the bytes
+                          else self.flat_param.detach().to(self.fsdp.mp.param_dtype))
             self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
         self.state = "gathering"
         self.fsdp._count_unsharded(+1)
@@ -157,7 +160,9 @@ class Unit:
         if handle is not None:
             handle.wait()
         out = out.to(torch.float32)
-        if self.flat_param.grad is None:
+        if self.fsdp.cpu_offload:  # copied out at once, while backward goes on
+            offload.accumulate_grad(self.flat_param, out)
+        elif self.flat_param.grad is None:
             self.flat_param.grad = out
         else:
             self.flat_param.grad += out

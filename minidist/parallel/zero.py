@@ -46,18 +46,17 @@ memory, communication overlapped with backward.
 In fp32 the master *is* the shard of the model's own flat buffer (a view, no copy). In bf16 the
 gradients are summed in `reduce_dtype` (fp32 by default: the bucket is cast for the collective)
 and the sum is kept in the gradient's own dtype, bf16; the optimizer gets an fp32 copy of its
-shard's gradient for the step only, a few buckets at a time. With gradient accumulation, `no_sync()` micro-batches add
-into the local gradients without communication; ZeRO-2 then holds full gradients until the last
-micro-batch, as PyTorch's FSDP does with `set_requires_gradient_sync(False)`.
-
-`flat.py`'s layout is shared with `fsdp.py`, which shards the parameters themselves (ZeRO-3).
+shard's gradient for the step only, a few buckets at a time. With accumulation, `no_sync()`
+micro-batches add into the local gradients; ZeRO-2 then holds full gradients until the last one
+(PyTorch's FSDP: `set_requires_gradient_sync(False)`). `--cpu_offload` keeps the masters and the
+step on the host (`offload.py`). `flat.py`'s layout is shared with `fsdp.py` (ZeRO-3).
 """
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.parallel import comm
+from minidist.parallel import comm, offload
 from minidist.parallel.flat import Flat, FlatLayout, clip_sharded_grad_norm_, gather_parameters
 from minidist.parallel.precision import MixedPrecision, for_reduction
 from minidist.parallel.wrapper import DataParallelWrapper, GradientCount, pack_buckets, weak_hook
@@ -66,24 +65,23 @@ from minidist.parallel.wrapper import DataParallelWrapper, GradientCount, pack_b
 class FlatBucket:
     """The parameters of one flat buffer and what ZeRO keeps for them on this rank."""
 
-    def __init__(self, params, world_size: int, rank: int, param_dtype: torch.dtype):
+    def __init__(self, params, world_size: int, rank: int, param_dtype: torch.dtype, host: bool = False):
         self.params = params
         self.layout = FlatLayout(params, world_size, rank)
         data = self.layout.flatten(params, torch.float32)  # the full fp32 weights, for a moment
-        if param_dtype == torch.float32:
+        if param_dtype == torch.float32 and not host:
             self.weights = data  # the model's parameters become views of it; the master is its shard
             self.master = nn.Parameter(data[self.layout.shard_slice])
-        else:
-            self.weights = data.to(param_dtype)
-            self.master = nn.Parameter(data[self.layout.shard_slice].clone())
+        else:  # a copy; host (--cpu_offload): in host memory, stepped there (offload.py)
+            self.weights, shard = data.to(param_dtype), data[self.layout.shard_slice]
+            self.master = nn.Parameter(offload.to_host(shard) if host else shard.clone())
         for p, view in zip(params, self.layout.views(self.weights)):
             p.data = view  # the same Parameter object (hooks, names), its storage now the flat buffer
         self.grad = None  # ZeRO-1: the full flat gradient; ZeRO-2: the flat gradient of a backward, briefly
         self.grad_shard = None  # ZeRO-2: the summed gradient of this rank's shard, from its reduce-scatter to zero_grad
         self.pending = len(params)  # gradients still to come in this backward
         self.waiting = []  # ZeRO-2: indices of params whose gradient came, not yet copied into `grad`
-        self.handle = None  # ZeRO-2: the asynchronous reduce-scatter, once launched
-        self.reduced = None  # its output
+        self.handle = self.reduced = None  # ZeRO-2: the asynchronous reduce-scatter, once launched; its output
 
     def own_gradient(self) -> torch.Tensor:
         """The summed gradient of this rank's shard, in the gradient's dtype."""
@@ -169,7 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for masters in pack_buckets([b.master for b in self.buckets], STEP_BYTES):
             group = [of_master[id(m)] for m in masters]
             for bucket in group:
-                bucket.master.grad = bucket.own_gradient().to(torch.float32)  # a view when it already is fp32
+                bucket.master.grad = offload.gradient_for(bucket.master, bucket.own_gradient())  # fp32, its side
             self.optimizer.step()
             for bucket in group:
                 bucket.master.grad = None
@@ -185,16 +183,16 @@ class ZeroDP(DataParallelWrapper):
     """ZeRO stage 1 or 2 around a model: wrap, then `ShardedOptimizer(model.buckets, ...)`, train as usual."""
 
     def __init__(self, module: nn.Module, stage: int, mixed_precision: MixedPrecision = MixedPrecision(),
-                 bucket_cap_mb: float = 25.0, process_group=None):
+                 bucket_cap_mb: float = 25.0, process_group=None, cpu_offload: bool = False):
         super().__init__(module, process_group)
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2 (stage 3 is FSDP, fsdp.py), got {stage}")
-        self.stage, self.mp = stage, mixed_precision
+        self.stage, self.mp, self.cpu_offload = stage, mixed_precision, cpu_offload
         self.broadcast_from_first_rank([*module.parameters(), *module.buffers()])  # start equal, as in DDP
         # Reverse registration order: roughly the order backward produces gradients.
         self.params = [p for p in module.parameters() if p.requires_grad][::-1]
         with torch.no_grad():
-            self.buckets = [FlatBucket(run, self.world_size, self.rank, mixed_precision.param_dtype)
+            self.buckets = [FlatBucket(run, self.world_size, self.rank, mixed_precision.param_dtype, cpu_offload)
                             for run in pack_buckets(self.params, int(bucket_cap_mb * 2**20))]
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for p in (p for p in module.parameters() if not p.requires_grad):
@@ -262,14 +260,16 @@ class ZeroDP(DataParallelWrapper):
         for bucket in self._in_flight:
             self._keep_shard(bucket)
         self._in_flight, self._open = [], 0
+        offload.wait_for_copies()  # --cpu_offload: ZeRO-2's shards copied out, before the CPU reads them
 
     def _keep_shard(self, bucket: FlatBucket) -> None:
         """ZeRO-2: wait for a bucket's reduce-scatter; its output, averaged, is the shard's gradient
         (cast to the gradient's dtype where the sum was taken in another); the rest is dropped."""
         bucket.handle.wait()
         bucket.grad = bucket.handle = None  # the full flat gradient is summed and its shard copied out: let go
-        bucket.grad_shard = bucket.reduced.div_(self.world_size).to(self.mp.param_dtype)
-        bucket.reduced = None  # only the shard's gradient stays
+        shard = bucket.reduced.div_(self.world_size).to(self.mp.param_dtype)
+        bucket.reduced = None  # only the shard's gradient stays; --cpu_offload: on the host, copied out at once
+        bucket.grad_shard = offload.to_host(shard, non_blocking=True) if self.cpu_offload else shard
 
     # ------------------------------------------------------------------ what the strategy reads
     def refresh_weights(self) -> None:

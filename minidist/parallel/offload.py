@@ -1,0 +1,159 @@
+"""CPU offload (ZeRO-Offload): the optimizer's half of the model states in host memory, its step on the CPU.
+
+Mixed-precision AdamW holds 16 bytes per parameter (`zero.py`): 2 for the bf16 weight, 2 for
+its gradient, 12 for the fp32 master, m and v. Only the 4 bytes of weight and gradient are
+needed by forward and backward on the GPU; the 12 are touched once per step, by the optimizer.
+ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training",
+USENIX ATC, section 4) keeps those 12 bytes, and the step that reads them, on the CPU, whose
+memory is several times the GPU's and cheap. `--cpu_offload` does this for the hand-written
+ZeRO-1, ZeRO-2 and FSDP (in FSDP's `Unit`, so an FSDP with a replicate group gets it by passing
+`cpu_offload` to its wrapper):
+
+    what                                   where     ZeRO-1/2 (bf16)        FSDP (bf16)
+    model weights, compute dtype           device    2P (every rank)        2P/N (the shard, to gather)
+    gathered units, activations, buckets   device    as without offload
+    gradient of this rank's shard          host      ZeRO-2: 2P/N           4P/N (fp32)
+      (ZeRO-1 keeps its whole flat gradient on the device, 2P, and copies its shard out at the step)
+    fp32 master + Adam m, v                host      12P/N                  12P/N
+    AdamW's step and its temporaries       host (the CPU computes them)
+
+Per step each rank moves over PCIe (the host link, ~25 GB/s each way on an A100's Gen4 x16):
+its shard's gradient device -> host (ZeRO-2: 2P/N bytes in bf16; FSDP: 4P/N, fp32) and its
+updated shard host -> device (2P/N in bf16): `memory/offload_split.pcie_bytes`. CodeLlama-7b,
+FSDP on 8 GPUs: 3.4 GB out and 1.7 GB back per rank and step, about 0.2 s at 25 GB/s. FSDP2's
+`CPUOffloadPolicy`, PyTorch's reference, moves more: it copies the fp32 shard to the device at
+every all-gather, two per step.
+
+**When it pays off.** The GPU gives up the 12P/N bytes of masters and moments and the gradient
+shard (ZeRO-2, FSDP), keeping the weights it computes with (ZeRO: 2P; FSDP: 2P/N), so the memory
+freed goes to a larger batch or a model that did not fit (CodeLlama-7b, FSDP on one 80 GB GPU:
+135 GB without offload, 17 GB with it and 135 GB of host memory, by the estimate). The price is the CPU's
+AdamW (a few GB/s of fp32 states, against a GPU's ~1 TB/s) and the PCIe copies, per step and
+independent of the batch: worth it when a step computes long (large batches, accumulation),
+not when the step is already short. The copies are asynchronous: a gradient shard leaves as
+soon as its reduce-scatter finishes (`accumulate_grad`), into pinned (page-locked) host memory
+that the GPU's copy engine writes while backward goes on; the end of backward waits for them
+(`wait_for_copies`) before the CPU reads them.
+
+**Where each tensor lives, on a CPU-only machine.** With no GPU both sides are the same memory,
+so a tensor's device cannot say which side it would be on. Every host tensor is placed by this
+module (`host_empty`, `to_host`), which records its storage (`is_host`); what the CPU computes
+from host tensors is host memory too (the optimizer's states and temporaries):
+`memory/sides.py` measures the two sides by these rules.
+"""
+
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_HOST = {}  # id(storage) -> a weak reference to it: the storages placed on the host side
+_placing = [False]  # host_empty is allocating
+_copying = False  # an asynchronous copy to the host may still be running (`wait_for_copies`)
+
+
+def _pin() -> bool:
+    """Pinned memory, so that copies to and from the GPU can be asynchronous; only with CUDA."""
+    return torch.cuda.is_available()
+
+
+def register_host(t: torch.Tensor) -> torch.Tensor:
+    """Record `t`'s storage as host memory (until the storage is freed); return `t`."""
+    storage = t.untyped_storage()
+    key = id(storage)
+    if key not in _HOST:
+        _HOST[key] = weakref.ref(storage, lambda _, key=key: _HOST.pop(key, None))
+    return t
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether `t` lives on the host side (placed by this module, or marked by `register_host`)."""
+    ref = _HOST.get(id(t.untyped_storage()))
+    return ref is not None and ref() is not None
+
+
+def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, pinned where there is a GPU to copy to and from."""
+    _placing[0] = True  # a tracer watching allocations sees it as host memory from the start (`placing`)
+    try:
+        return register_host(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=_pin()))
+    finally:
+        _placing[0] = False
+
+
+def placing() -> bool:
+    """Whether the tensor being allocated now is placed on the host by `host_empty`."""
+    return _placing[0]
+
+
+def to_host(t: torch.Tensor, dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
+    """A host copy of `t` (always a copy, even on a CPU-only machine). non_blocking: the copy may
+    still be running when this returns (on a GPU); read it only after `wait_for_copies`."""
+    global _copying
+    out = host_empty(t.shape, dtype or t.dtype)
+    non_blocking = non_blocking and out.is_pinned() and t.device.type == "cuda"
+    out.copy_(t.detach(), non_blocking=non_blocking)
+    _copying = _copying or non_blocking
+    return out
+
+
+def wait_for_copies() -> None:
+    """Wait for this stream's asynchronous copies (device -> host) before the CPU reads their results.
+    Nothing to wait for (no copy started, or none on a GPU): it returns at once."""
+    global _copying
+    if _copying:
+        torch.cuda.current_stream().synchronize()
+        _placing = [False]  # host_empty is allocating
+_copying = False
+
+
+def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """A host parameter's `.grad` += a gradient computed on the device (the first one: copied
+    out asynchronously; a second one is added at once, on the CPU)."""
+    if param.grad is None:
+        param.grad = to_host(grad, torch.float32, non_blocking=True)
+    else:
+        param.grad += to_host(grad, torch.float32)
+
+
+def gradient_for(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The fp32 gradient for a master weight, on the master's side (ZeRO's step: its shard's gradient)."""
+    if not is_host(master) or is_host(grad):
+        return grad.to(torch.float32)  # a view where it already is fp32
+    return to_host(grad).to(torch.float32)  # over PCIe in the gradient's dtype (bf16: half the bytes), cast on the CPU
+
+
+class DeviceCopy:
+    """The device's compute-dtype copy of a host master shard (FSDP: what each all-gather sends).
+
+    Refreshed host -> device only when the master may have changed since the last copy: one copy
+    per step however many times the unit is gathered (forward, backward, accumulation). Two
+    signs of change: the master's version counter, which every in-place write bumps (a
+    checkpoint's load, any optimizer), and a count of optimizer steps, kept by a hook that
+    PyTorch calls after every `Optimizer.step` (`register_optimizer_step_post_hook`): a step
+    taken under a `TorchDispatchMode` (the memory tracer, `measure.LiveTensors`) can leave the
+    version counter as it was."""
+
+    def __init__(self, master: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        _count_optimizer_steps()
+        self.master = master
+        self.tensor = torch.empty(master.numel(), dtype=dtype, device=device)
+        self.seen = None  # (version, optimizer steps) at the last copy
+
+    def get(self) -> torch.Tensor:
+        now = (self.master._version, _optimizer_steps[0])
+        if now != self.seen:
+            self.tensor.copy_(self.master.detach(), non_blocking=True)  # ordered before the all-gather that reads it
+            self.seen = now
+        return self.tensor
+
+
+_optimizer_steps = [0, None]  # steps taken by any optimizer in this process; the hook's handle
+
+
+def _count_optimizer_steps() -> None:
+    if _optimizer_steps[1] is None:
+        def count(*_):
+            _optimizer_steps[0] += 1
+        _optimizer_steps[1] = register_optimizer_step_post_hook(count)
