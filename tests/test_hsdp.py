@@ -28,11 +28,14 @@ from train_workers import run_finetunes
 STEPS, SEQ, LR, SEED, GLOBAL_BATCH = 4, 48, 3e-3, 3, 8
 WORLD, NODES = 4, 2
 # (implementation, batch per device, accumulation, checkpoint form): 4 ranks, a global batch of 8.
+# "+offload": with --cpu_offload, whose masters and step live on the host (parallel/offload.py).
 RUNS = [("minidist", 2, 1, "sharded"), ("minidist", 1, 2, "full"), ("torch", 2, 1, "sharded"),
-        ("torch", 1, 2, "sharded")]
+        ("torch", 1, 2, "sharded"), ("minidist", 1, 2, "sharded+offload")]
 
 
 def argv_for(model, out, impl, batch, accum, form, *extra):
+    form, *offload = form.split("+")
+    extra = (*extra, "--cpu_offload") if offload else extra
     return ["--model", model, "--output_dir", str(out), "--impl", impl, "--strategy", "hsdp",
             "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR), "--warmup_steps", "2",
             "--seed", str(SEED), "--eval_prefixes", "0", "--batch_size_per_device", str(batch),
@@ -52,15 +55,15 @@ def runs(tiny_model, tmp_path_factory):
     """Every run uninterrupted (one launch), then each resumed from its checkpoint of step 2 in a
     fresh folder (a second launch): {run: (uninterrupted, resumed, output folder)}."""
     root = tmp_path_factory.mktemp("hsdp")
-    argvs = [argv_for(tiny_model, root / f"{impl}-{b}x{a}", impl, b, a, form) for impl, b, a, form in RUNS]
+    argvs = [argv_for(tiny_model, root / f"{impl}-{b}x{a}-{form}", impl, b, a, form) for impl, b, a, form in RUNS]
     whole = launch(run_finetunes, WORLD, argvs, nodes=NODES, timeout_s=900)[0]
     resumed_argvs = []
     for (impl, b, a, form), argv in zip(RUNS, argvs):
-        out = root / f"{impl}-{b}x{a}-resumed"
-        shutil.copytree(root / f"{impl}-{b}x{a}" / "checkpoint-2", out / "checkpoint-2")
+        out = root / f"{impl}-{b}x{a}-{form}-resumed"
+        shutil.copytree(root / f"{impl}-{b}x{a}-{form}" / "checkpoint-2", out / "checkpoint-2")
         resumed_argvs.append(argv_for(tiny_model, out, impl, b, a, form, "--resume", str(out / "checkpoint-2")))
     resumed = launch(run_finetunes, WORLD, resumed_argvs, nodes=NODES, timeout_s=900)[0]
-    return {run: (w, r, root / f"{run[0]}-{run[1]}x{run[2]}") for run, w, r in zip(RUNS, whole, resumed)}
+    return {run: (w, r, root / "{}-{}x{}-{}".format(*run)) for run, w, r in zip(RUNS, whole, resumed)}
 
 
 @pytest.mark.parametrize("impl,batch,accum,form", RUNS)
@@ -84,7 +87,7 @@ def test_hsdp_resumes_bitwise_from_its_checkpoint(runs, impl, batch, accum, form
     for name, tensor in whole["parameters"].items():
         assert torch.equal(resumed["parameters"][name], tensor), name
     saved = json.loads((out / "checkpoint-2" / "checkpoint.json").read_text())
-    assert (saved["world_size"], saved["form"], saved["run"]["strategy"]) == (WORLD, form, f"{impl}/hsdp")
+    assert (saved["world_size"], saved["form"], saved["run"]["strategy"]) == (WORLD, form.split("+")[0], f"{impl}/hsdp")
 
 
 def test_metrics_log_bytes_within_and_across_nodes(runs):
