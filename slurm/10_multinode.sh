@@ -1,12 +1,14 @@
 #!/bin/bash
 # Lesson 10, more than one node: CodeLlama-7b fine-tuned on chess on 2 nodes of 4 A100-80GB GPUs,
 # first with flat FSDP over all 8 GPUs, then with hybrid sharding (HSDP: each node's 4 GPUs shard
-# one copy, the 2 nodes replicate it), both by hand (minidist/parallel/fsdp.py, mesh.py), so that
-# the bytes each GPU sends are counted (minidist/parallel/comm.py) and printed per step, within its
-# node and across nodes. The same code as notebooks/10 (2 simulated nodes x 2 CPU ranks), at 7B.
+# one copy, the 2 nodes replicate it), then HSDP with LoRA (--lora_rank 16: the base frozen, only
+# the adapters trained and reduced), all by hand (minidist/parallel/fsdp.py, mesh.py, frozen.py),
+# so that the bytes each GPU sends are counted (minidist/parallel/comm.py) and printed per step,
+# within its node and across nodes. The same code as notebooks/10_multinode.ipynb (2 simulated
+# nodes x 2 CPU ranks), at 7B.
 #
 #   sbatch slurm/10_multinode.sh                      # 20 steps of each, then the bytes per step
-#   sbatch slurm/10_multinode.sh --max_steps 50       # arguments go to both runs and win
+#   sbatch slurm/10_multinode.sh --max_steps 50       # arguments go to all three runs and win
 #
 # Expected outcome (estimated, NOT run: this script has not run on GPUs yet). Per GPU per step,
 # P = 6.74e9, bf16 all-gathers, fp32 reduce-scatter and all-reduce, N = 8 GPUs, S = 4 per node, R = 2:
@@ -24,10 +26,14 @@
 # So HSDP should step faster than flat FSDP on 2 nodes (compare `step_time_s` in the two
 # metrics.jsonl), at twice the model-state memory per GPU. The two runs' losses agree to rounding:
 # the same data, the same average gradient.
+# - HSDP + LoRA (rank 16 on q, k, v, o: P_lora = 16,777,216): within a node both flats are still
+#   gathered twice (bf16) and only the adapters reduce-scattered; across nodes only the all-reduce
+#   of the adapters' shard, 2 x (P_lora/4) x 1/2 x 4 bytes = 16.8 MB per GPU. Model states per GPU
+#   (the same memory command with --lora_rank 16): 3.4 GB instead of 27.0 GB, peak ~18.7 GB.
 #
 # Each run is slurm/chess_finetune.sh (srun, torchrun, rendezvous, batch sizes), in a folder of its
-# own, OUTPUT_DIR/fsdp and OUTPUT_DIR/hsdp; no time-limit warning and no requeue here: the runs
-# are short. Environment variables: as chess_finetune.sh.
+# own, OUTPUT_DIR/fsdp, OUTPUT_DIR/hsdp and OUTPUT_DIR/hsdp-lora; no time-limit warning and no
+# requeue here: the runs are short. Environment variables: as chess_finetune.sh.
 #
 #SBATCH --job-name=lesson10-multinode
 #SBATCH --nodes=2
@@ -47,7 +53,7 @@ launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_
 [[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
 OUTPUT_DIR=${OUTPUT_DIR:-runs/10-multinode-${SLURM_JOB_ID:-local}}
-echo "lesson 10 (more than one node): flat FSDP, then HSDP, on ${SLURM_JOB_NUM_NODES:-?} node(s), flags: $*"
+echo "lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA, on ${SLURM_JOB_NUM_NODES:-?} node(s), flags: $*"
 
 bytes_per_step() {  # NAME FOLDER: what metrics.jsonl says each step sent, in GB
     python - "$1" "$2/metrics.jsonl" <<'EOF'
@@ -66,6 +72,8 @@ for strategy in fsdp hsdp; do
     echo "lesson 10: minidist/$strategy"
     OUTPUT_DIR=$OUTPUT_DIR/$strategy bash "$launcher" --impl minidist --strategy "$strategy" --max_steps 20 "$@"
 done
-for strategy in fsdp hsdp; do
-    bytes_per_step "$strategy" "$OUTPUT_DIR/$strategy"
+echo "lesson 10: minidist/hsdp with LoRA (rank 16)"
+OUTPUT_DIR=$OUTPUT_DIR/hsdp-lora bash "$launcher" --impl minidist --strategy hsdp --lora_rank 16 --max_steps 20 "$@"
+for run in fsdp hsdp hsdp-lora; do
+    bytes_per_step "$run" "$OUTPUT_DIR/$run"
 done

@@ -200,3 +200,18 @@ def test_the_memory_command_prints_a_device_and_a_host_column(capsys):
     device, host = columns["peak per rank, each side"]
     assert host == "16.85 GB" and float(device.split()[0]) < 11
     assert "over PCIe per step and rank: 3.37 GB of gradients out, 1.68 GB of weights back" in out
+
+
+def test_waiting_for_the_copies_synchronizes_once_per_batch_of_copies(monkeypatch):
+    """After the wait, nothing is in flight: the next backward's end must not synchronize again
+    unless a new asynchronous copy started (a GPU path, so the stream is a stand-in here)."""
+    from types import SimpleNamespace
+
+    from minidist.parallel import offload
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(synchronize=lambda: calls.append(1)))
+    monkeypatch.setattr(offload, "_copying", True)  # as after to_host(..., non_blocking=True) on a GPU
+    offload.wait_for_copies()
+    offload.wait_for_copies()
+    assert calls == [1] and offload._copying is False

@@ -57,10 +57,11 @@ LESSONS = {
     "08_checkpoints": {"args": FINETUNE_ARGS + ["--save_steps", "1"], "latest": "checkpoint-2",
                        "log": ["lesson 08: sharded checkpoints", "torch/fsdp on 2 x cpu", "step    2/2"]},
     "09_capstone": {"log": ["lesson 09 (capstone): torch/fsdp", "torch/fsdp on 2 x cpu", "step    2/2"]},
-    # Two nodes (its own #SBATCH --nodes=2) x 2 ranks, two runs in OUTPUT_DIR/fsdp and OUTPUT_DIR/hsdp.
-    "10_multinode": {"trains": False, "log": ["lesson 10 (more than one node): flat FSDP, then HSDP, on 2 node(s)",
-                                              "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
-                                              "fsdp step 2: rank 0 sent", "hsdp step 2: rank 0 sent"]},
+    # Two nodes (its own #SBATCH --nodes=2) x 2 ranks, three runs in OUTPUT_DIR/fsdp, hsdp and hsdp-lora.
+    "10_multinode": {"trains": False, "log": ["lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA,"
+                                              " on 2 node(s)", "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
+                                              "LoRA r=16: training", "fsdp step 2: rank 0 sent",
+                                              "hsdp step 2: rank 0 sent", "hsdp-lora step 2: rank 0 sent"]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
 
@@ -155,16 +156,20 @@ def test_every_lesson_script_runs_under_slurm(jobs, script):
 
 def test_the_two_node_lesson_sends_less_across_nodes_with_hsdp(jobs):
     """slurm/10_multinode.sh on 2 nodes x 2 ranks: flat FSDP's ring crosses nodes on ranks 1 and 3,
-    which send all of theirs across; under HSDP every rank sends only its shard's all-reduce across."""
+    which send all of theirs across; under HSDP every rank sends only its shard's all-reduce across,
+    and with LoRA only the adapters' shard crosses."""
     [(record, log)] = jobs.wait("10_multinode")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     runs = {s: [json.loads(line) for line in (jobs.outs["10_multinode"] / s / "metrics.jsonl").read_text().splitlines()]
-            for s in ("fsdp", "hsdp")}
+            for s in ("fsdp", "hsdp", "hsdp-lora")}
     assert [r["step"] for r in runs["fsdp"]] == [r["step"] for r in runs["hsdp"]] == [1, 2]
-    for flat, hybrid in zip(runs["fsdp"], runs["hsdp"]):
+    assert [r["step"] for r in runs["hsdp-lora"]] == [1, 2]
+    for flat, hybrid, lora in zip(runs["fsdp"], runs["hsdp"], runs["hsdp-lora"]):
         assert flat["comm_bytes_across_nodes_by_rank"][0] == 0 < flat["comm_bytes_across_nodes_by_rank"][1]
         assert len(set(hybrid["comm_bytes_across_nodes_by_rank"])) == 1
         assert max(hybrid["comm_bytes_across_nodes_by_rank"]) < max(flat["comm_bytes_across_nodes_by_rank"])
+        assert len(set(lora["comm_bytes_across_nodes_by_rank"])) == 1
+        assert 0 < max(lora["comm_bytes_across_nodes_by_rank"]) < max(hybrid["comm_bytes_across_nodes_by_rank"]) / 10
 
 
 def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):

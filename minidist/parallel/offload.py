@@ -104,8 +104,7 @@ def wait_for_copies() -> None:
     global _copying
     if _copying:
         torch.cuda.current_stream().synchronize()
-        _placing = [False]  # host_empty is allocating
-_copying = False
+        _copying = False
 
 
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
