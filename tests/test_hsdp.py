@@ -153,6 +153,10 @@ def test_the_estimate_of_hsdp_is_fsdp_on_its_shard_group_plus_the_all_reduce():
                                                                                 world_size=4, **sizes)))
         for term in ("parameters", "gradients", "optimizer_states", "gathered_units", "activations"):
             assert h[term] == f[term], term
+        # The terms asked for one by one (as lesson 10's notebook might) are the same as in the estimate.
+        assert estimator.model_states(shape, hsdp) == estimator.model_states(shape, estimator.setup(
+            strategy="fsdp", impl=impl, world_size=4, **sizes))
+        assert estimator.buffers(shape, hsdp)["gathered_units"] == f["gathered_units"]
         extra = 4 * -(-shape.root_params // 4)
         assert hybrid.all_reduce_buffer(shape, hsdp) == extra
         assert estimator.peak_moment(shape, hsdp)[0] == "backward"

@@ -183,6 +183,7 @@ def shard_numel(s: Shape, setup: Setup) -> int:
 
 def model_states(s: Shape, setup: Setup) -> dict:
     """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
+    setup = hybrid.as_fsdp(setup)  # HSDP holds what FSDP on one shard group holds
     if setup.lora_rank:
         return lora_terms.model_states(s, setup)
     k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
@@ -191,8 +192,7 @@ def model_states(s: Shape, setup: Setup) -> dict:
     return {
         "parameters": w * (shard if k == "fsdp" else full),
         "gradients": g * (shard if k in ("zero2", "fsdp") else full),
-        # AdamW also keeps one fp32 step counter per parameter tensor.
-        "optimizer_states": o * (full if k == "ddp" else shard) + 4 * len(s.param_rows),
+        "optimizer_states": o * (full if k == "ddp" else shard) + 4 * len(s.param_rows),  # + AdamW's step counters
     }
 
 
@@ -244,7 +244,7 @@ def buffers(s: Shape, setup: Setup) -> dict:
     k, mode = setup.strategy, compute_mode(setup)
     c = 4 if mode == "fp32" else 2
     gathered = 0  # FSDP: the root and two layers at once (the whole model without the wrap policy)
-    if k == "fsdp":
+    if k in ("fsdp", "hsdp"):  # HSDP gathers the same units, within its shard group
         wrapped = setup.options.layer_wrap_policy and s.layer_params
         gathered = c * (s.root_params + 2 * s.layer_params if wrapped else s.num_params)
     return {"gathered_units": gathered, "buckets": lora_terms.bucket_bytes(s, setup)}  # of what is trained
