@@ -29,7 +29,7 @@
 # - HSDP + LoRA (rank 16 on q, k, v, o: P_lora = 16,777,216): within a node both flats are still
 #   gathered twice (bf16) and only the adapters reduce-scattered; across nodes only the all-reduce
 #   of the adapters' shard, 2 x (P_lora/4) x 1/2 x 4 bytes = 16.8 MB per GPU. Model states per GPU
-#   (the same memory command with --lora_rank 16): 3.4 GB instead of 27.0 GB, peak ~18.7 GB.
+#   (the same memory command with --lora_rank 16): 3.4 GB instead of 27.0 GB, peak ~14.0 GB.
 #
 # Each run is slurm/chess_finetune.sh (srun, torchrun, rendezvous, batch sizes), in a folder of its
 # own, OUTPUT_DIR/fsdp, OUTPUT_DIR/hsdp and OUTPUT_DIR/hsdp-lora; no time-limit warning and no
