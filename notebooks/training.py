@@ -57,3 +57,17 @@ def run(argv: list[str]) -> dict:
         records = [json.loads(line) for line in log.read_text().splitlines()] if dist.get_rank() == 0 else []
         dist.barrier()  # nobody deletes the folder before rank 0 has read it
     return {"result": result, "records": records, "log": printed.getvalue(), "seconds": seconds}
+
+
+def run_each(common: list[str], runs: dict[str, list[str]]) -> dict:
+    """`run` once per entry of `runs` (name -> extra flags, added after `common`, with `--no_save`),
+    one after the other in the same ranks. By name, rank 0's view: the flags, the records of
+    `metrics.jsonl` (one per step; `memory_bytes` holds lists by rank), the legal-move rates before
+    and after training (None with `--eval_prefixes 0`), the lines the script printed, its wall time."""
+    results = {}
+    for name, extra in runs.items():
+        done = run([*common, *extra, "--no_save"])
+        result = done["result"]
+        results[name] = {"flags": extra, "records": done["records"], "rate_before": result["rate_before"],
+                         "rate_after": result.get("rate_after"), "log": done["log"], "seconds": done["seconds"]}
+    return results

@@ -27,12 +27,7 @@ def run_all(common: list[str], runs: dict[str, list[str]], timed: dict[str, list
     - `bench`: minidist's FSDP against PyTorch's FSDP2 (and ZeRO-2) on one model, in alternating
       rounds: `time_implementations("fsdp", **bench)`'s result."""
     training.share_cores()
-    results = {}
-    for name, extra in runs.items():
-        done = training.run([*common, *extra, "--no_save"])
-        result = done["result"]
-        results[name] = {"flags": extra, "records": done["records"], "rate_before": result["rate_before"],
-                         "rate_after": result.get("rate_after"), "log": done["log"], "seconds": done["seconds"]}
+    results = training.run_each(common, runs)
     rounds_done = workers_06.in_rounds(timed, rounds, steps, common)
     step_s = {name: [[r["step_time_s"] for r in done["records"]] for done in per_round]
               for name, per_round in rounds_done.items()}

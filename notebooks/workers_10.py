@@ -31,17 +31,9 @@ import training
 
 def run_all(common: list[str], runs: dict[str, list[str]]) -> dict:
     """The training script once per entry of `runs` (name -> extra flags, added after `common`),
-    one after the other in the same ranks. By name, rank 0's view: the records of `metrics.jsonl`
-    (one per step; `memory_bytes` holds lists by rank), the legal-move rates before and after
-    training (None with `--eval_prefixes 0`), the lines the script printed, and its wall time."""
+    one after the other in the same ranks, sharing the cores: `training.run_each`."""
     training.share_cores()
-    results = {}
-    for name, extra in runs.items():
-        done = training.run([*common, *extra, "--no_save"])
-        result = done["result"]
-        results[name] = {"flags": extra, "records": done["records"], "rate_before": result["rate_before"],
-                         "rate_after": result.get("rate_after"), "log": done["log"], "seconds": done["seconds"]}
-    return results
+    return training.run_each(common, runs)
 
 
 def split_steps(model_dir: str, games: str, variants: list[tuple[str, bool]], batch: int = 2, seq: int = 32,
