@@ -154,10 +154,17 @@ def sharded_optimizer_matches_its_inner_optimizer(steps=5):
     return results
 
 
-def fsdp_full_gradients_alive_at_once(model_dir):
-    """The most full unit gradients alive at once during one backward of the hand-written FSDP,
-    counted with weak references: a gradient counts until nothing holds it any more."""
+def fsdp_full_gradients_alive_at_once(model_dir, collectives_keep_inputs=False):
+    """The most full unit gradients whose memory is held at once during one backward of the
+    hand-written FSDP, counted with weak references: a gradient counts until nothing holds it any
+    more or its storage has been freed.
+
+    `collectives_keep_inputs` keeps every collective's handle until backward ends. A handle holds
+    its input tensors, as gloo's worker thread does for a moment after each collective completes
+    (until the thread is next scheduled): the gradients must go even then."""
     import weakref
+
+    import torch.distributed as dist
 
     from minidist import models
     from minidist.parallel import fsdp
@@ -165,23 +172,33 @@ def fsdp_full_gradients_alive_at_once(model_dir):
     from minidist.parallel.strategy import get_strategy
 
     env = get_env()
-    alive, most = [], 0
-    post_backward = fsdp.Unit._post_backward
+    alive, most, kept = [], 0, []
+    post_backward, all_reduce = fsdp.Unit._post_backward, dist.all_reduce
+
+    def held(ref):
+        return ref() is not None and ref().untyped_storage().nbytes() > 0
 
     def watched(unit, full):
         nonlocal most
         alive.append(weakref.ref(full.grad))  # in fp32 it is the reduce-scatter's input itself
-        most = max(most, sum(ref() is not None for ref in alive))
+        most = max(most, sum(map(held, alive)))
         post_backward(unit, full)
 
+    def keeping(*args, **kwargs):
+        kept.append(all_reduce(*args, **kwargs))
+        return kept[-1]
+
     fsdp.Unit._post_backward = watched  # before wrapping: the units' hooks bind it then
+    if collectives_keep_inputs:
+        dist.all_reduce = keeping  # gloo's reduce-scatter of a scratch input is an all-reduce (comm.py)
     try:
         model = get_strategy(ParallelOptions("fsdp", "minidist"), env).wrap(models.load_model(model_dir))
         ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(env.rank))
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     finally:
-        fsdp.Unit._post_backward = post_backward
-    return {"most": most, "units": len(model.units), "reduced": all(u.flat_param.grad is not None for u in model.units)}
+        fsdp.Unit._post_backward, dist.all_reduce = post_backward, all_reduce
+    return {"most": most, "units": len(model.units), "kept": len(kept),
+            "reduced": all(u.flat_param.grad is not None for u in model.units)}
 
 
 def zero2_flat_gradients_alive_at_once(model_dir):

@@ -145,16 +145,21 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
 
 class _ShardAfter:
     """The handle of an all-reduce standing in for a reduce-scatter: `wait()` waits for the sum,
-    copies this rank's shard of it into the output, and lets the input go."""
+    copies this rank's shard of it into the output, and frees the input's memory.
 
-    def __init__(self, work, output: torch.Tensor, shard: torch.Tensor):
-        self.work, self.output, self.shard = work, output, shard
+    Freed, not just let go: gloo's worker thread keeps its own reference to the input until it
+    next runs, a moment after `wait()` returns (longer on a busy machine). Dropping ours alone
+    would leave the memory a rank holds up to when that thread is scheduled."""
+
+    def __init__(self, work, output: torch.Tensor, input: torch.Tensor, shard: torch.Tensor):
+        self.work, self.output, self.input, self.shard = work, output, input, shard
 
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
             self.output.copy_(self.shard)
-            self.work = self.output = self.shard = None
+            self.input.untyped_storage().resize_(0)  # scratch: the caller never reads it again
+            self.work = self.output = self.input = self.shard = None
         return True
 
 
@@ -167,8 +172,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
     buffer the size of the input (and sends as much as an all-reduce: lesson 01). NCCL, on GPUs,
     needs no such copy. A caller that is about to drop ``input`` anyway (ZeRO-2's and FSDP's
     gradient buckets) says ``input_is_scratch=True``: on gloo the input itself is then all-reduced
-    in place (it ends up holding the sum) and shard r copied out at ``wait()``. Same bytes on the
-    wire as gloo's own reduce-scatter, without the copy, so that CPU memory shows what a GPU's would."""
+    in place (it ends up holding the sum), shard r is copied out at ``wait()`` and the input's
+    memory freed there. Same bytes on the wire as gloo's own reduce-scatter, without the copy, so
+    that CPU memory shows what a GPU's would."""
     n = _world(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}")
@@ -178,7 +184,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
     counter.add(n - 1, input.numel() * input.element_size(), n, crosses_nodes(group))
     if input_is_scratch and dist.get_backend(group) == "gloo":
         work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        handle = _ShardAfter(work, output, input.view(n, -1)[dist.get_rank(group)])
+        handle = _ShardAfter(work, output, input, input.view(n, -1)[dist.get_rank(group)])
         if async_op:
             return handle
         handle.wait()
