@@ -15,7 +15,7 @@ def _wrapped(model_dir, strategy, mixed_precision, cpu_offload, bucket_cap_mb=0.
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
 
-    options = {"bucket_cap_mb": bucket_cap_mb} if strategy != "fsdp" else {}
+    options = {"bucket_cap_mb": bucket_cap_mb} if strategy not in ("fsdp", "hsdp") else {}
     impl = get_strategy(ParallelOptions(strategy, "minidist", mixed_precision=mixed_precision,
                                         cpu_offload=cpu_offload, **options), get_env())
     model = impl.wrap(models.load_model(model_dir))
@@ -39,18 +39,18 @@ def _step(model, optimizer, batch):
     optimizer.step()
 
 
-def where_things_live(model_dir):
+def where_things_live(model_dir, strategies=("zero1", "zero2", "fsdp")):
     """After one step of each sharded strategy with --cpu_offload (bf16), which side holds what:
     masters and their gradients on the host, the compute-dtype weights on the device."""
     from minidist.parallel import offload
 
     results = {}
     batch = _batch(model_dir, 2, 32)
-    for strategy in ("zero1", "zero2", "fsdp"):
+    for strategy in strategies:
         impl, model, optimizer = _wrapped(model_dir, strategy, "bf16", True)
         _step(model, optimizer, batch)
         masters = [g for group in optimizer.param_groups for g in group["params"]]
-        if strategy == "fsdp":
+        if strategy in ("fsdp", "hsdp"):
             grads = [u.flat_param.grad for u in model.units]
             device_side = [u.device_shard.tensor for u in model.units]
         else:

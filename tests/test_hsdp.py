@@ -90,6 +90,19 @@ def test_hsdp_resumes_bitwise_from_its_checkpoint(runs, impl, batch, accum, form
     assert (saved["world_size"], saved["form"], saved["run"]["strategy"]) == (WORLD, form.split("+")[0], f"{impl}/hsdp")
 
 
+def test_offloaded_hsdp_keeps_its_masters_on_the_host(tiny_model):
+    """The "+offload" run above would match with offload silently off: here, after one bf16 step on
+    2 x 2 ranks, the fp32 masters and their gradient shards are on the host, each unit's bf16 copy
+    of its shard on the device (test_offload.py checks the same for zero1, zero2 and fsdp)."""
+    from offload_workers import where_things_live
+
+    for rank in launch(where_things_live, WORLD, tiny_model, ("hsdp",), nodes=NODES, timeout_s=300):
+        where = rank["hsdp"]
+        assert where["masters_host"] and where["masters_fp32"] and where["grads_host"], where
+        assert where["num_grads"] > 0 and not where["device_side_host"], where
+        assert where["device_side_dtype"] == {"torch.bfloat16"}, where
+
+
 def test_metrics_log_bytes_within_and_across_nodes(runs):
     """The loop logs rank 0's bytes split by node, and every rank's bytes across nodes (under HSDP
     all equal); torch's own strategies are not counted (None)."""
