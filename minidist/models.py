@@ -30,10 +30,15 @@ RESULTS = ("1-0", "0-1", "1/2-1/2")
 SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
 
 
+def cache_root() -> Path:
+    """minidist's own cache, made here, never downloaded: $MINIDIST_CACHE or ~/.cache/minidist.
+    `--model tiny` lives in it, and the memory estimator's traces (`memory/cache.py`)."""
+    return Path(os.environ.get("MINIDIST_CACHE", Path.home() / ".cache" / "minidist"))
+
+
 def tiny_model_dir() -> Path:
-    """Where `--model tiny` lives: $MINIDIST_CACHE or ~/.cache/minidist, then tiny-llama."""
-    root = os.environ.get("MINIDIST_CACHE", Path.home() / ".cache" / "minidist")
-    return Path(root) / "tiny-llama"
+    """Where `--model tiny` lives."""
+    return cache_root() / "tiny-llama"
 
 
 def uci_vocabulary() -> list[str]:

@@ -16,9 +16,7 @@ import json
 import os
 from pathlib import Path
 
-
-def root() -> Path:
-    return Path(os.environ.get("MINIDIST_CACHE", Path.home() / ".cache" / "minidist"))
+from minidist.models import cache_root
 
 
 @functools.cache
@@ -34,7 +32,7 @@ def cached(kind: str, key: dict, compute) -> dict:
 
     named = json.dumps({**key, "torch": torch.__version__, "transformers": transformers.__version__, "code": _code()},
                        sort_keys=True, default=str)
-    path = root() / kind / f"{hashlib.sha256(named.encode()).hexdigest()[:20]}.json"
+    path = cache_root() / kind / f"{hashlib.sha256(named.encode()).hexdigest()[:20]}.json"
     if path.exists():
         return json.loads(path.read_text())
     result = compute()
