@@ -169,6 +169,18 @@ def test_bad_input_ends_with_one_line(tiny_model, tmp_path, capsys, argv, expect
     assert "Traceback" not in err
 
 
+def test_the_help_gives_the_defaults_the_strategies_use(capsys):
+    """Options that default to None ("not given") name in their help the value the strategy then
+    uses, read from `ParallelOptions.DEFAULTS`, the one place that holds it."""
+    from minidist.parallel.options import ParallelOptions
+
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name, default in ParallelOptions.DEFAULTS.items():
+        assert f"--{name}" in text and f"(default {default})" in text, name
+
+
 def test_a_model_that_is_not_cached_fails_fast_offline(tmp_path):
     # Offline with an empty cache, as on a compute node: a hub name that is not cached must fail
     # fast. In a process of its own: huggingface_hub reads HF_HUB_OFFLINE when it is imported.

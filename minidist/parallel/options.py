@@ -54,11 +54,11 @@ class ParallelOptions:
                                           applies=(IMPLEMENTATIONS, ("hsdp",)), flag_type=int)
     mixed_precision: str = _option("fp32", "the compute dtype of forward and backward (masters stay fp32)", DTYPES)
     gradient_checkpointing: bool = _option(False, "recompute each decoder layer in backward instead of saving it")
-    reduce_dtype: str | None = _option(None, "the dtype gradients are summed in (default fp32)", DTYPES,
+    reduce_dtype: str | None = _option(None, "the dtype gradients are summed in", DTYPES,
                                        (("minidist",), STRATEGIES + HYBRID))
-    bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB (default 25)",
+    bucket_cap_mb: float | None = _option(None, "gradient bucket size in MB",
                                           applies=(("minidist",), ("ddp", "zero1", "zero2")), flag_type=float)
-    ddp_variant: str | None = _option(None, "bucketed (the default) or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
+    ddp_variant: str | None = _option(None, "bucketed or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
     cpu_offload: bool = _option(False, "ZeRO-Offload: fp32 masters, optimizer states and the step in host memory, "
                                 "on the CPU (not with ddp)")
 
@@ -102,6 +102,8 @@ class ParallelOptions:
         """One flag per field: `--strategy`, `--no_layer_wrap_policy` for a True flag, `--gradient_checkpointing`."""
         for f in fields(ParallelOptions):
             help, choices = f.metadata["help"], f.metadata["choices"]
+            if f.name in ParallelOptions.DEFAULTS:  # None means "not given"; the help says what that is
+                help += f" (default {ParallelOptions.DEFAULTS[f.name]})"
             if f.default is True:
                 parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=help)
             elif f.default is False:
