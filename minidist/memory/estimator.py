@@ -241,10 +241,10 @@ def activations(s: Shape, setup: Setup) -> dict:
 
 def buffers(s: Shape, setup: Setup) -> dict:
     """Communication buckets and FSDP's gathered units (AdamW's temporary: `moments.py`)."""
-    k, mode = setup.strategy, compute_mode(setup)
-    c = 4 if mode == "fp32" else 2
+    setup = hybrid.as_fsdp(setup)  # HSDP gathers the units FSDP on one shard group gathers
+    c = 4 if compute_mode(setup) == "fp32" else 2
     gathered = 0  # FSDP: the root and two layers at once (the whole model without the wrap policy)
-    if k in ("fsdp", "hsdp"):  # HSDP gathers the same units, within its shard group
+    if setup.strategy == "fsdp":
         wrapped = setup.options.layer_wrap_policy and s.layer_params
         gathered = c * (s.root_params + 2 * s.layer_params if wrapped else s.num_params)
     return {"gathered_units": gathered, "buckets": lora_terms.bucket_bytes(s, setup)}  # of what is trained
