@@ -1,175 +1,20 @@
-"""Evaluation: does the model play legal chess? The share of legal next moves.
+"""The legal-move rate of a saved model, from the command line (the metric is `chess/legal_moves.py`).
 
-Loss says how surprised the model is by real games; it does not say whether the model has
-learnt the rules. This metric does. For held-out games we cut each at a random move, show the
-model the moves so far, let it continue greedily, read the first word it writes, and ask
-python-chess whether that word is a legal move in the position. A random model scores about 0;
-a model that has learnt chess notation but not chess scores a little; one that tracks the board
-scores near 1.
-
-It reads text, not tokens, so the tiny Llama (one token per move) and CodeLlama (several
-sub-word tokens per move) are judged the same way.
-
-Every rank runs the same number of forward passes, even if it has fewer prefixes: under FSDP a
-forward pass is a collective (each unit all-gathers its parameters), so a rank that stopped
-early would leave the others waiting forever.
-
-    python -m minidist.evaluate --model runs/laptop/model --data minidist/games/test.jsonl
+    python -m minidist.evaluate --model runs/laptop/model --data minidist/chess/data/test.jsonl
+    python -m minidist.evaluate --model tiny --num_prefixes 50   # the untrained tiny Llama: about 0
 """
 
-import math
-import random
-import statistics
-
-import chess
 import torch
-import torch.distributed as dist
 
-
-def game_prefixes(games: list[str], num_prefixes: int, seed: int = 0) -> list[list[str]]:
-    """Cut up to `num_prefixes` games after a random move (at least one move, never the last).
-
-    Each game used must be legal, or the judge below has no position to judge in: a ValueError
-    names the first game and move that is not (a typo, another notation, a file of something
-    else). The whole game is checked, not just the prefix, so that a file passes or fails
-    whatever the seed."""
-    rng = random.Random(seed)
-    prefixes = []
-    for number, text in enumerate(games[:num_prefixes], 1):
-        moves = _legal(text.split()[:-1], number)  # the last word is the result
-        if len(moves) >= 2:
-            prefixes.append(moves[: rng.randint(1, len(moves) - 1)])
-    return prefixes
-
-
-def _legal(moves: list[str], number: int) -> list[str]:
-    board = chess.Board()
-    for ply, word in enumerate(moves, 1):
-        try:
-            move = chess.Move.from_uci(word)
-        except ValueError:  # not UCI at all ("Nf3", "hello")
-            move = None
-        if move is None or not board.is_legal(move):
-            raise ValueError(f"held-out game {number} is not a legal game: its move {ply}, {word!r}, is not a legal "
-                             f"UCI move there (write held-out games with `python -m minidist.data generate`)")
-        board.push(move)
-    return moves
-
-
-def first_word_is_legal(prefix: list[str], continuation: str) -> bool:
-    board = chess.Board()
-    for move in prefix:
-        board.push_uci(move)
-    words = continuation.split()
-    if not words:
-        return False
-    try:
-        return chess.Move.from_uci(words[0]) in board.legal_moves
-    except ValueError:  # not a move at all: a result, half a word, punctuation
-        return False
-
-
-def context_length(model) -> int | None:
-    """How many positions the model can attend to: its config's `max_position_embeddings` (GPT-2's
-    `n_positions`, by transformers' alias), found through wrappers' `.module`; None if it names none."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
-
-
-def tokens_per_move(tokenizer) -> int:
-    """How many tokens the longest move takes after a space (1 for the tiny model, ~5 for Llama)."""
-    return max(len(tokenizer(" " + m, add_special_tokens=False)["input_ids"]) for m in ("a7a8q", "h2h1n", "e2e4"))
-
-
-@torch.no_grad()
-def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, device,
-                    max_length: int | None = None) -> list[str]:
-    """Greedy decoding for a batch, left-padded so every prompt ends at the last column.
-
-    With `max_length` (the model's context), a prompt keeps only its last `max_length -
-    max_new_tokens` tokens: the moves next to the one asked for matter most, and a model with
-    learned positions (GPT-2) has no embedding for a position past its context at all."""
-    encoded = [tokenizer(p)["input_ids"] for p in prompts]
-    if max_length is not None:
-        keep = max_length - max_new_tokens
-        if keep < 1:
-            raise ValueError(f"a context of {max_length} positions leaves no room for a prompt and {max_new_tokens} new tokens")
-        encoded = [ids[-keep:] for ids in encoded]
-    width = max(len(ids) for ids in encoded)
-    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(encoded):
-        ids[row, width - len(seq):] = torch.tensor(seq)
-        mask[row, width - len(seq):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    for _ in range(max_new_tokens):
-        # Positions count real tokens only, so a left-padded prompt sees the positions it was trained on.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # Each step re-reads the whole sequence (no key/value cache): slower, but every rank does
-        # the same full forward pass, which FSDP needs, and the code stays short.
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, -1]
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in ids.tolist()]
-
-
-def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32) -> dict:
-    """The share of prefixes whose greedy next move is legal, over all ranks."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = prefixes[rank::world]
-    per_rank = -(-len(prefixes) // world)  # every rank loops this many times (see module doc)
-    padded = mine + [prefixes[0]] * (per_rank - len(mine))
-    new_tokens, context = tokens_per_move(tokenizer) + 1, context_length(model)
-    was_training = model.training
-    model.eval()
-    legal, samples = 0, []
-    for start in range(0, per_rank, batch_size):
-        chunk = padded[start: start + batch_size]
-        outputs = greedy_continue(model, tokenizer, [" ".join(p) for p in chunk], new_tokens, device, context)
-        for i, (prefix, text) in enumerate(zip(chunk, outputs)):
-            if start + i < len(mine):  # the padding is not counted
-                legal += first_word_is_legal(prefix, text)
-                if len(samples) < 3:
-                    samples.append((" ".join(prefix[-3:]), text.split()[0] if text.split() else ""))
-    model.train(was_training)
-    counts = torch.tensor([legal, len(mine)], dtype=torch.long, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(counts)
-    legal, total = counts.tolist()
-    return {"legal_move_rate": legal / max(total, 1), "legal": legal, "total": total, "samples": samples}
-
-
-def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval for a rate measured as `successes` out of `trials`.
-
-    A legal-move rate is a count out of n prefixes, so it carries sampling error: at n = 200 and
-    a rate near 25%, the 95% interval is about 20-32%, wide enough that two runs (or two
-    implementations) a few points apart cannot be ranked. Wilson's interval (Wilson 1927, "Probable
-    inference, the law of succession, and statistical inference"; recommended over the textbook
-    p +- z sqrt(p(1-p)/n) by Newcombe 1998, "Two-sided confidence intervals for the single
-    proportion", and Brown, Cai and DasGupta 2001) inverts the normal test around the unknown
-    rate instead of the measured one, so it stays inside [0, 1] and does not collapse to a point
-    at 0 of n or n of n. Returns (low, high) as fractions."""
-    if not (isinstance(trials, int) and trials >= 1):
-        raise ValueError(f"a rate needs at least one trial, got trials={trials!r}")
-    if not (isinstance(successes, int) and 0 <= successes <= trials):
-        raise ValueError(f"successes must be a whole number from 0 to trials={trials}, got {successes!r}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be between 0 and 1 (0.95 for 95%), got {confidence!r}")
-    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)  # 1.96 for 95%
-    p, n = successes / trials, trials
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+from minidist.chess.games import bundled_games
+from minidist.chess.jsonl import load_games
+from minidist.chess.legal_moves import game_prefixes, legal_move_rate
+from minidist.hf import model_folder
+from minidist.hf.models import load_model, load_tokenizer
+from minidist.runtime.errors import ArgumentParser, one_line_errors
 
 
 def main(argv=None) -> None:
-    from minidist import model_folder
-    from minidist.data import bundled_games, load_games
-    from minidist.errors import ArgumentParser, one_line_errors
-    from minidist.models import load_model, load_tokenizer
-
     parser = ArgumentParser(prog="python -m minidist.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", help="hub name, local folder, or `tiny`")
     parser.add_argument("--data", default=str(bundled_games("test")), help="held-out games (jsonl)")

@@ -20,30 +20,33 @@ long batch, differently for every split.
 """
 
 import argparse
-import math
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from minidist import data, evaluate, final_model, lora, metrics, model_folder, models, output_dir, preemption, state
-from minidist.distributed import cleanup, init_distributed
-from minidist.errors import ArgumentParser, UsageError, one_line_errors
+from minidist import batches
+from minidist.checkpoint import final_model, output_dir, preemption, state
+from minidist.chess import jsonl, legal_moves
+from minidist.chess.games import bundled_games
+from minidist.hf import lora, model_folder, models
+from minidist.runtime import metrics
+from minidist.runtime.distributed import cleanup, init_distributed
+from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
+from minidist.step import lr_schedule, train_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m minidist.finetune", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=models.TINY, help="hub name, local folder, or `tiny` (the offline tiny Llama)")
-    p.add_argument("--data", default=str(data.bundled_games("train")), help="training games, jsonl with a `text` field")
-    p.add_argument("--eval_data", default=str(data.bundled_games("test")), help="held-out games for the legal-move rate")
+    p.add_argument("--data", default=str(bundled_games("train")), help="training games, jsonl with a `text` field")
+    p.add_argument("--eval_data", default=str(bundled_games("test")), help="held-out games for the legal-move rate")
     p.add_argument("--eval_prefixes", type=int, default=200, help="held-out prefixes to judge (0: skip evaluation)")
     ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (parallel/options.py)
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
@@ -89,40 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def lr_schedule(step: int, args) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak: a multiplier for LambdaLR."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
-    """The summed next-token cross-entropy of a micro-batch (not the mean: see module doc)."""
-    with strategy.autocast():
-        # use_cache=False: a key/value cache only helps generation; in training it is dead memory.
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    # Position t predicts token t+1; padding carries the label -100 and is ignored. The softmax
-    # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                           ignore_index=-100, reduction="sum")
-
-
-def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
-    """Forward and backward over this rank's micro-batches of one step; return its summed loss."""
-    loss_sum = 0.0
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        # Only the last micro-batch communicates; the others just add to the local gradients.
-        with nullcontext() if last else strategy.no_sync(model):
-            loss = token_loss_sum(model, batch, strategy)
-            # Strategies average gradients over ranks, so scale by world_size / global target count.
-            (loss * world_size / num_targets).backward()
-        loss_sum = loss_sum + loss.detach()  # stays on the device: no GPU sync per micro-batch
-    return loss_sum
-
-
 def train(args) -> dict:
     """Run the whole job on this rank; return what it measured (the tests compare these)."""
     env = init_distributed()
@@ -143,9 +112,9 @@ def _train(args, env) -> dict:
         model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
         lora.check(args, args.model)  # its flags, and target modules this model has
         tokenizer = models.load_tokenizer(args.model)
-        sequences = data.tokenize_games(data.load_games(args.data), tokenizer, args.max_seq_length)
-        sampler = data.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
-        prefixes = evaluate.game_prefixes(data.load_games(args.eval_data), args.eval_prefixes, args.seed)
+        sequences = batches.tokenize_games(jsonl.load_games(args.data), tokenizer, args.max_seq_length)
+        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
+        prefixes = legal_moves.game_prefixes(jsonl.load_games(args.eval_data), args.eval_prefixes, args.seed)
         # What a checkpoint must share with this run for the resume to be exact (state.verify).
         run = {"model": state.model_fingerprint(args.model),
                "strategy": f"{args.impl}/{args.strategy}{lora.fingerprint(args)}",  # LoRA's flags too: lora.py
@@ -180,7 +149,7 @@ def _train(args, env) -> dict:
         if not prefixes:
             return None
         with strategy.autocast():
-            result = evaluate.legal_move_rate(model, tokenizer, prefixes, env.device)
+            result = legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device)
         say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
         return result["legal_move_rate"]
 
@@ -207,7 +176,7 @@ def _train(args, env) -> dict:
         num_targets = sum(len(sequences[i]) - 1 for i in global_ids)  # every rank can count it
         micro_batches = []
         for ids in sampler.micro_batches(step, mesh.rank, mesh.size, micro_bs):
-            batch = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+            batch = batches.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
             micro_batches.append({name: tensor.to(env.device) for name, tensor in batch.items()})
         lr = scheduler.get_last_lr()[0]
         with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward

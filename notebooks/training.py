@@ -1,4 +1,4 @@
-"""One run of the training script inside ranks that `minidist.launch` started.
+"""One run of the training script inside ranks that `minidist.runtime.launch` started.
 
 Every lesson's workers (workers_NN.py) run the real training script, `minidist.finetune.train`,
 with the flags a learner would type. `run` here is the plumbing around that call, written once:

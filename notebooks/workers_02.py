@@ -1,4 +1,4 @@
-"""Worker functions for lesson 02 (DDP), launched by `minidist.launch.launch`.
+"""Worker functions for lesson 02 (DDP), launched by `minidist.runtime.launch.launch`.
 
 They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
@@ -16,9 +16,12 @@ import time
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from minidist import data, finetune, models
+from minidist import batches
+from minidist.chess import jsonl
+from minidist.hf import models
+from minidist.step import token_loss_sum
 from minidist.bench import timeline
-from minidist.distributed import init_distributed
+from minidist.runtime.distributed import init_distributed
 from minidist.parallel import comm
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
@@ -86,8 +89,8 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
     env = init_distributed()
     _setup_rank()
     tokenizer = models.load_tokenizer(model_dir)
-    sequences = data.tokenize_games(data.load_games(data_path), tokenizer, seq_len)
-    sampler = data.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
+    sequences = batches.tokenize_games(jsonl.load_games(data_path), tokenizer, seq_len)
+    sampler = batches.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
     variants = {}
     for variant in ("naive", "bucketed"):
         options = ParallelOptions(strategy="ddp", impl="minidist", ddp_variant=variant, bucket_cap_mb=bucket_cap_mb)
@@ -101,7 +104,7 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
     out = {v: {"steps": []} for v in variants}
     for step in range(warmup + steps):
         ids, = sampler.micro_batches(step, env.rank, env.world_size, batch)
-        micro = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+        micro = batches.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
         num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))
         for variant, (strategy, model, optimizer, ready) in variants.items():
             calls = []
@@ -110,7 +113,7 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
             dist.barrier()  # start together, so the picture shows this rank's work, not a late peer
             with watch_all_reduces(calls):
                 t0 = time.perf_counter()
-                loss = finetune.token_loss_sum(model, micro, strategy) * env.world_size / num_targets
+                loss = token_loss_sum(model, micro, strategy) * env.world_size / num_targets
                 t1 = time.perf_counter()
                 loss.backward()  # the DDP hooks run inside: launches, and the wait for every bucket
                 t2 = time.perf_counter()
@@ -136,7 +139,7 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
         for variant, (strategy, model, optimizer, _) in variants.items():
             def step():
                 with record_function("forward"):
-                    loss = finetune.token_loss_sum(model, micro, strategy) * env.world_size / num_targets
+                    loss = token_loss_sum(model, micro, strategy) * env.world_size / num_targets
                 with record_function("backward"):
                     loss.backward()
                 with record_function("optimizer step"):

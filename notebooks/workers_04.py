@@ -1,4 +1,4 @@
-"""Worker functions for lesson 04 (ZeRO-1 and ZeRO-2), launched by `minidist.launch.launch`.
+"""Worker functions for lesson 04 (ZeRO-1 and ZeRO-2), launched by `minidist.runtime.launch.launch`.
 
 They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
@@ -12,10 +12,13 @@ strategy with the loop's own calls (`get_strategy`, `wrap`, `build_optimizer`,
 
 import torch.distributed as dist
 
-from minidist import data, finetune, models
+from minidist import batches
+from minidist.chess import jsonl
+from minidist.hf import models
+from minidist.step import token_loss_sum
 from minidist.bench import timeline
 from minidist.bench.strategies import time_steps
-from minidist.distributed import get_env
+from minidist.runtime.distributed import get_env
 from minidist.memory.timeline import step_timeline
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
@@ -60,10 +63,10 @@ def side_by_side(model_dir: str, data_path: str, names: list[str], seq_len: int,
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one loading bar per rank and model: noise here
     tokenizer = models.load_tokenizer(model_dir)
-    sequences = data.tokenize_games(data.load_games(data_path), tokenizer, seq_len)
-    sampler = data.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
+    sequences = batches.tokenize_games(jsonl.load_games(data_path), tokenizer, seq_len)
+    sampler = batches.GlobalBatchSampler(len(sequences), batch * env.world_size, seed=0)
     ids, = sampler.micro_batches(0, env.rank, env.world_size, batch)
-    micro = data.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
+    micro = batches.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
     num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(0))
     built = {}
     for name in names:
@@ -75,7 +78,7 @@ def side_by_side(model_dir: str, data_path: str, names: list[str], seq_len: int,
         strategy, model, optimizer = built[name]
         held = {}  # the loss, from forward to backward: then nothing keeps the graph alive
         return [("forward", lambda: held.update(
-                    loss=finetune.token_loss_sum(model, micro, strategy) * env.world_size / num_targets)),
+                    loss=token_loss_sum(model, micro, strategy) * env.world_size / num_targets)),
                 ("backward", lambda: held.pop("loss").backward()),
                 ("optimizer step", lambda: (strategy.clip_grad_norm_(model, 1.0), optimizer.step())),
                 ("zero_grad", lambda: optimizer.zero_grad(set_to_none=True))]

@@ -1,4 +1,4 @@
-"""Worker functions for lesson 05 (FSDP), run in every rank by `minidist.launch.launch`.
+"""Worker functions for lesson 05 (FSDP), run in every rank by `minidist.runtime.launch.launch`.
 
 They live in a `.py` file because `launch` starts fresh processes that import the worker by name;
 a function defined in a notebook cell cannot be imported. Nothing here re-implements minidist:
@@ -19,8 +19,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from minidist import data, finetune, models
-from minidist.distributed import get_env
+from minidist import batches
+from minidist.chess import jsonl
+from minidist.chess.games import bundled_games
+from minidist.hf import models
+from minidist.step import train_step
+from minidist.runtime.distributed import get_env
 from minidist.memory import measure
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
@@ -58,8 +62,8 @@ def run(model_dir, variants, steps=2, batch_size_per_device=2, seq_len=64, lr=1e
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     tokenizer = models.load_tokenizer(model_dir)
-    sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, seq_len)
-    sampler = data.GlobalBatchSampler(len(sequences), batch_size_per_device * env.world_size, seed=0)
+    sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, seq_len)
+    sampler = batches.GlobalBatchSampler(len(sequences), batch_size_per_device * env.world_size, seed=0)
     results = {}
     for variant in variants:
         name, wrap = variant["strategy"], variant.get("wrap", True)
@@ -73,12 +77,12 @@ def run(model_dir, variants, steps=2, batch_size_per_device=2, seq_len=64, lr=1e
         for step in range(steps):
             ids = sampler.global_batch(step)
             num_targets = sum(len(sequences[i]) - 1 for i in ids)
-            micro = [data.collate([sequences[i] for i in m], tokenizer.pad_token_id)
+            micro = [batches.collate([sequences[i] for i in m], tokenizer.pad_token_id)
                      for m in sampler.micro_batches(step, env.rank, env.world_size, batch_size_per_device)]
             if name == "fsdp" and step == steps - 1:  # the timeline of the last step only
                 events.clear()
                 _watch_units(model, events, time.perf_counter())
-            loss = finetune.train_step(model, strategy, micro, num_targets, env.world_size)
+            loss = train_step(model, strategy, micro, num_targets, env.world_size)
             strategy.clip_grad_norm_(model, 1.0)
             optimizer.step()
             state = measure.model_state_bytes(model, optimizer)  # gradients still held
@@ -106,5 +110,5 @@ def lesson(model_dir: str, variants: list[dict], steps: int, side: dict | None =
 
     out = {"run": run(model_dir, variants, steps=steps)}
     if side:
-        out["side"] = workers_04.side_by_side(model_dir, str(data.bundled_games("train")), **side)
+        out["side"] = workers_04.side_by_side(model_dir, str(bundled_games("train")), **side)
     return out

@@ -1,4 +1,4 @@
-"""Worker functions for lesson 07 (mixed precision), launched by `minidist.launch.launch`.
+"""Worker functions for lesson 07 (mixed precision), launched by `minidist.runtime.launch.launch`.
 
 They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements

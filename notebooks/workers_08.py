@@ -1,4 +1,4 @@
-"""Worker functions for lesson 08 (checkpoints and preemption), launched by `minidist.launch.launch`.
+"""Worker functions for lesson 08 (checkpoints and preemption), launched by `minidist.runtime.launch.launch`.
 
 They live in a `.py` file because every rank is a fresh process that imports its worker by
 name. Nothing here re-implements minidist: every run is the real training script,
@@ -35,7 +35,7 @@ def _send_usr1_after(step: int, metrics: Path) -> None:
     """Hold this rank after `step` and send it SIGUSR1 once `step` is logged: a preemption
     warning that reaches one rank, at a moment we choose, so the lesson does not race the loop.
 
-    `MINIDIST_PAUSE_AT=step:N` (minidist/preemption.py's test hook) makes this rank wait after
+    `MINIDIST_PAUSE_AT=step:N` (minidist/checkpoint/preemption.py's test hook) makes this rank wait after
     step N, before the ranks vote, until a signal comes; the other rank waits in the vote. When
     rank 0 has written step N to metrics.jsonl, this rank is past step N-1's vote, so the signal
     is counted at step N's, on every rank."""

@@ -1,4 +1,4 @@
-"""Worker function for lesson 09 (the capstone), launched by `minidist.launch.launch`.
+"""Worker function for lesson 09 (the capstone), launched by `minidist.runtime.launch.launch`.
 
 It lives in a `.py` file because every rank is a fresh process that imports its worker by
 name. Nothing here re-implements minidist: each run is the real training script,

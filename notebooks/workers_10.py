@@ -1,4 +1,4 @@
-"""Worker function for lesson 10 (more than one node, and LoRA), launched by `minidist.launch.launch`.
+"""Worker function for lesson 10 (more than one node, and LoRA), launched by `minidist.runtime.launch.launch`.
 
 It lives in a `.py` file because every rank is a fresh process that imports its worker by name.
 Nothing here re-implements minidist: each run is the real training script, `minidist.finetune.train`,
@@ -19,8 +19,11 @@ processes and importing transformers costs more on 2 cores than a few steps of a
 
 import warnings
 
-from minidist import data, finetune, models
-from minidist.distributed import get_env
+from minidist import batches
+from minidist.chess import jsonl
+from minidist.hf import models
+from minidist.step import train_step
+from minidist.runtime.distributed import get_env
 from minidist.memory.sides import SplitLiveTensors
 from minidist.parallel import offload
 from minidist.parallel.options import ParallelOptions
@@ -49,8 +52,8 @@ def split_steps(model_dir: str, games: str, variants: list[tuple[str, bool]], ba
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
-    sequences = data.tokenize_games(data.load_games(games), tokenizer, seq)
-    mine = data.collate(sequences[env.rank * batch:(env.rank + 1) * batch], tokenizer.pad_token_id)
+    sequences = batches.tokenize_games(jsonl.load_games(games), tokenizer, seq)
+    mine = batches.collate(sequences[env.rank * batch:(env.rank + 1) * batch], tokenizer.pad_token_id)
     targets = sum(len(sequences[i]) - 1 for i in range(env.world_size * batch))
     out = {}
     for name, cpu_offload in variants:
@@ -60,7 +63,7 @@ def split_steps(model_dir: str, games: str, variants: list[tuple[str, bool]], ba
         optimizer = strategy.build_optimizer(model, 1e-3)
 
         def step():
-            finetune.train_step(model, strategy, [mine], targets, env.world_size)
+            train_step(model, strategy, [mine], targets, env.world_size)
             strategy.clip_grad_norm_(model, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

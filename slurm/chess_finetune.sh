@@ -31,7 +31,7 @@
 # This script itself has not run on GPUs yet.
 #
 # Before the first job, on a login node with internet, cache the model once:
-#   python -m minidist.models download codellama/CodeLlama-7b-hf
+#   python -m minidist.hf.models download codellama/CodeLlama-7b-hf
 # Compute nodes then load it offline (HF_HUB_OFFLINE=1) from $HF_HOME.
 #
 # Environment variables (all optional): MODEL, DATA, OUTPUT_DIR, TOTAL_BATCH_SIZE,
@@ -76,13 +76,13 @@ REPO=$(cd "$(dirname "$SUBMITTED")/.." && pwd)
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}  # so that `-m minidist.finetune` runs from anywhere
 
 MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
-DATA=${DATA:-$REPO/minidist/games/train.jsonl}
+DATA=${DATA:-$REPO/minidist/chess/data/train.jsonl}
 OUTPUT_DIR=${OUTPUT_DIR:-runs/chess-${SLURM_JOB_ID:-local}}
 TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # A sharded 7B checkpoint with AdamW holds 80.9 GB (12 bytes per parameter: fp32 weights and two
 # moments), 20.2 GB per rank. Measured here (a CPU VM's local disk, DCP with fsync): 340-370 MB/s
-# per rank, so about 60 s per rank, plus ~4 s of checksums (minidist/checksums.py). A shared file
+# per rank, so about 60 s per rank, plus ~4 s of checksums (minidist/checkpoint/checksums.py). A shared file
 # system giving 0.5-2 GB/s to the node in all needs 40-160 s. Hence the warning 300 s before the
 # limit (--signal above) and 270 s for torchrun's workers to save (PET_SHUTDOWN_TIMEOUT below):
 # enough down to 0.3 GB/s in all. With 90 s and 80 s, a slow file system would be killed mid-save
@@ -92,7 +92,7 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # run of this project has been timed yet.)
 SAVE_STEPS=${SAVE_STEPS:-100}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}   # compute nodes have no internet: use the cache
-# The stop file stands in for a warning that srun dropped (minidist/preemption.py); each start
+# The stop file stands in for a warning that srun dropped (minidist/checkpoint/preemption.py); each start
 # begins without one. Removed before it is named, so a warning now cannot be lost to the `rm`.
 rm -f "$OUTPUT_DIR/stop-requested"
 export MINIDIST_STOP_FILE=$OUTPUT_DIR/stop-requested

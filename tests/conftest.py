@@ -1,9 +1,9 @@
-"""Shared fixtures: a tiny Llama written once per test session, loaded like any hub model, and a
-real SLURM cluster on this machine. And the session's summary of each notebook's time."""
+"""Shared fixtures: a tiny Llama written once per test session, loaded like any hub model. And the
+session's summary of each notebook's time. (The real SLURM cluster's fixture is `cluster/conftest.py`'s.)"""
 
 import pytest
 
-from minidist.models import write_tiny_llama
+from minidist.hf.models import write_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -12,34 +12,8 @@ def tiny_model(tmp_path_factory):
     return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden_size=64, num_layers=2))
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """A real single-host SLURM cluster (tests/slurm_cluster.py) for the whole session.
-
-    It needs root. Elsewhere its tests skip and say why; in CI (CI=true) they must run, so there
-    a missing piece fails them instead."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from slurm_cluster import Cluster, ensure_installed
-
-    why_not = "starting a SLURM cluster needs root" if os.geteuid() != 0 else ensure_installed()
-    if why_not:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the real-SLURM tests: {why_not}")
-        pytest.skip(why_not)
-    # Not under pytest's folders: munged wants every folder above its socket open to all.
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="minidist-slurm-")))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 def notebook_times(stats: dict) -> list[str]:
-    """One line per notebook test that recorded its time (tests/test_notebooks.py), by name, then the total.
+    """One line per notebook test that recorded its time (tests/course/test_notebooks.py), by name, then the total.
 
     A notebook over its budget is marked, not failed: the budget is a benchmark's, and a loaded
     machine is slower without anything being wrong."""

@@ -1,4 +1,4 @@
-"""Worker functions that `minidist.launch` imports in each spawned rank (see tests/workers.py)."""
+"""Worker functions that `minidist.runtime.launch` imports in each spawned rank (see tests/runtime/workers.py)."""
 
 from minidist import finetune
 

@@ -9,7 +9,10 @@ sides see the same games in the same steps and use the same optimizer.
 import torch
 import torch.nn.functional as F
 
-from minidist import data, models
+from minidist import batches
+from minidist.chess import jsonl
+from minidist.chess.games import bundled_games
+from minidist.hf import models
 from minidist.parallel.options import ADAMW_BETAS
 
 
@@ -27,14 +30,14 @@ def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtyp
         model = get_peft_model(model, lora_config)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
-    sequences = data.tokenize_games(data.load_games(data.bundled_games("train")), tokenizer, seq_len)
-    sampler = data.GlobalBatchSampler(len(sequences), global_batch, seed)
+    sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, seq_len)
+    sampler = batches.GlobalBatchSampler(len(sequences), global_batch, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
     losses = []
     for step in range(steps):
-        batch = data.collate([sequences[i] for i in sampler.global_batch(step)], tokenizer.pad_token_id)
+        batch = batches.collate([sequences[i] for i in sampler.global_batch(step)], tokenizer.pad_token_id)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
         loss.backward()

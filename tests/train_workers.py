@@ -1,4 +1,4 @@
-"""Worker functions that `minidist.launch` imports in each spawned rank (see tests/workers.py)."""
+"""Worker functions that `minidist.runtime.launch` imports in each spawned rank (see tests/runtime/workers.py)."""
 
 import os
 
@@ -17,21 +17,23 @@ def run_finetunes(argvs):
 
 def evaluate_sharded(model_dir, strategy_name, num_prefixes):
     """The legal-move rate of a model wrapped by `strategy_name`, each rank judging its share."""
-    from minidist import data, evaluate, models
-    from minidist.distributed import get_env
+    from minidist.chess import jsonl, legal_moves
+    from minidist.chess.games import bundled_games
+    from minidist.hf import models
+    from minidist.runtime.distributed import get_env
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
     model = get_strategy(ParallelOptions(strategy_name, "torch"), env).wrap(models.load_model(model_dir))
-    prefixes = evaluate.game_prefixes(data.load_games(data.bundled_games("test")), num_prefixes)
-    return evaluate.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
+    prefixes = legal_moves.game_prefixes(jsonl.load_games(bundled_games("test")), num_prefixes)
+    return legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
 
 
 def run_finetunes_then_leave(argvs):
     """Several runs, then `cleanup`: how many gloo worker threads does the process still run?"""
-    from minidist.distributed import cleanup
+    from minidist.runtime.distributed import cleanup
 
     run_finetunes(argvs)
     cleanup()

@@ -2,7 +2,7 @@
 
 Fill in `ring_all_reduce` below, then check it from the repository root:
 
-    MINIDIST_EXERCISE=lessons/exercises/01_ring_all_reduce.py python -m pytest -q tests/test_exercises.py
+    MINIDIST_EXERCISE=lessons/exercises/01_ring_all_reduce.py python -m pytest -q tests/course/test_exercises.py
 
 The check starts 3 gloo ranks (CPU processes), runs your function on tensors of several sizes,
 shapes and dtypes (7 elements, that 3 does not divide; 1 element, so that two ranks get an empty

@@ -2,7 +2,7 @@
 
 Fill in `_on_grad_ready` below, then check it from the repository root:
 
-    MINIDIST_EXERCISE=lessons/exercises/02_bucket_hook.py python -m pytest -q tests/test_exercises.py
+    MINIDIST_EXERCISE=lessons/exercises/02_bucket_hook.py python -m pytest -q tests/course/test_exercises.py
 
 Everything else is minidist's own `BucketedDDP` (`minidist/parallel/ddp.py`): the broadcast at
 wrap time, the buckets (`GradientBucket`: a flat `buffer`, each parameter's `offsets`, a

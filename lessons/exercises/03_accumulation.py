@@ -2,20 +2,20 @@
 
 Fill in `train_step` below, then check it from the repository root:
 
-    MINIDIST_EXERCISE=lessons/exercises/03_accumulation.py python -m pytest -q tests/test_exercises.py
+    MINIDIST_EXERCISE=lessons/exercises/03_accumulation.py python -m pytest -q tests/course/test_exercises.py
 
 This is the training loop's own `train_step` (`minidist/finetune.py`), the one that trains the
 7B model. The check runs yours on 2 gloo ranks, each with 3 micro-batches of 2 sequences of
 different lengths (padding labelled -100), through minidist's bucketed DDP strategy, and
 compares every gradient with a single process on the whole global batch. It also counts the
 bytes sent (one all-reduce of the gradients per step, whatever the number of micro-batches) and
-the backward passes (one per micro-batch). minidist's own answer is `finetune.train_step`: read
+the backward passes (one per micro-batch). minidist's own answer is `step.train_step`: read
 it after.
 """
 
 from contextlib import nullcontext  # noqa: F401 (you may want it)
 
-from minidist.finetune import token_loss_sum  # noqa: F401 (you will want it)
+from minidist.step import token_loss_sum
 
 EXERCISE = "03_accumulation"  # tells the check which exercise this file answers
 

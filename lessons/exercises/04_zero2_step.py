@@ -2,7 +2,7 @@
 
 Fill in `step` below, then check it from the repository root:
 
-    MINIDIST_EXERCISE=lessons/exercises/04_zero2_step.py python -m pytest -q tests/test_exercises.py
+    MINIDIST_EXERCISE=lessons/exercises/04_zero2_step.py python -m pytest -q tests/course/test_exercises.py
 
 Everything else is minidist's own (`minidist/parallel/zero.py`): `ZeroDP(model, stage=2)` packs
 the parameters into flat buckets (`FlatBucket`) and, during backward, reduce-scatters each full

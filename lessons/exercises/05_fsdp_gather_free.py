@@ -2,7 +2,7 @@
 
 Fill in `gather` and `free` below, then check them from the repository root:
 
-    MINIDIST_EXERCISE=lessons/exercises/05_fsdp_gather_free.py python -m pytest -q tests/test_exercises.py
+    MINIDIST_EXERCISE=lessons/exercises/05_fsdp_gather_free.py python -m pytest -q tests/course/test_exercises.py
 
 Everything else is minidist's own `fsdp.Unit` and `FullyShardedDataParallel`
 (`minidist/parallel/unit.py` and `fsdp.py`): the hooks that call `gather` before a unit's forward and

@@ -7,7 +7,7 @@ import torch
 
 from minidist import bench
 from minidist.bench import collectives, strategies
-from minidist.errors import ArgumentParser, fail
+from minidist.runtime.errors import ArgumentParser, fail
 
 # The least each flag can be (the flags a subcommand has): below it a run has nothing to time,
 # or never ends (a --factor of 1 never reaches --max_bytes).
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
         return
     # Import the worker under its module name: launch() starts fresh interpreters that import it.
     from minidist.bench.strategies import time_implementations as worker
-    from minidist.launch import launch
+    from minidist.runtime.launch import launch
 
     print(f"timing on {args.world_size} ranks ...", flush=True)
     result = launch(worker, args.world_size, args.what, args.hidden_size, args.num_layers, args.batch_size,

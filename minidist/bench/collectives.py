@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minidist.distributed import get_env
+from minidist.runtime.distributed import get_env
 
 # nccl-tests' correction from algorithm to bus bandwidth (doc/PERFORMANCE.md, "Summary").
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -84,7 +84,7 @@ def bandwidth_table(op: str, rows: list[dict], world_size: int, device_type: str
 def bandwidth_main(args) -> None:
     sizes = message_sizes(args.min_bytes, args.max_bytes, args.factor)
     if "RANK" in os.environ:  # torchrun (or srun through it) started us: we are one of the ranks
-        from minidist.distributed import cleanup, init_distributed
+        from minidist.runtime.distributed import cleanup, init_distributed
 
         env = init_distributed()
         try:
@@ -95,7 +95,7 @@ def bandwidth_main(args) -> None:
             cleanup()
         return
     from minidist.bench.collectives import time_collective as worker  # by module name: spawned ranks import it
-    from minidist.launch import launch
+    from minidist.runtime.launch import launch
 
     rows = launch(worker, args.world_size, args.op, sizes, args.warmup, args.iters)[0]
     print(bandwidth_table(args.op, rows, args.world_size, "cpu", "gloo"))

@@ -10,7 +10,7 @@ bf16, the allocator), the wrapper's own overhead, and its memory. Each of the si
 (PyTorch's DDP, the hand-written DDP, ZeRO-1, ZeRO-2 and FSDP, PyTorch's FSDP2), with and
 without activation checkpointing, is built as `finetune.py` builds it (`load_model`,
 `checkpoint_activations`, `wrap`, `build_optimizer`) on a Llama with random weights, and runs the
-loop's own step: `finetune.train_step` over two micro-batches of random tokens (gradient
+loop's own step: `step.train_step` over two micro-batches of random tokens (gradient
 accumulation 2, the first under `no_sync`), `clip_grad_norm_`, the optimizer step. Each row says:
 
 - the step time: the median of a few steps after warm-up, with the fastest and slowest, and
@@ -99,10 +99,10 @@ def random_batches(vocab_size: int, batch: int, seq: int, device, seed: int = 0)
 
 def run_setup(impl, strategy_name, checkpointing, source, sizes, env, shape, profile_to=None) -> dict:
     """Build one setup, time it, measure its peak, and, if asked, profile one step into `profile_to`."""
-    from minidist.finetune import train_step
+    from minidist.step import train_step
     from minidist.memory import estimator
     from minidist.memory.measure import step_peak
-    from minidist.metrics import flops_per_token, peak_flops
+    from minidist.runtime.metrics import flops_per_token, peak_flops
     from torch.profiler import record_function  # names the phases in the trace; nearly free otherwise
 
     batch, seq = sizes["batch"], sizes["seq"]
@@ -195,8 +195,8 @@ def codellama(env, sizes, started: float, budget_s: float = 360.0) -> tuple[list
 
 def main(args) -> None:
     """Run the check; `__main__.py` has already made sure there is a GPU or `--smoke` was asked."""
-    from minidist import models
-    from minidist.distributed import cleanup, init_distributed
+    from minidist.hf import models
+    from minidist.runtime.distributed import cleanup, init_distributed
     from minidist.memory import estimator
     from transformers.utils import logging as hf_logging
 

@@ -41,7 +41,7 @@ def _device_peak(step, model, optimizer, device) -> int:
 
 
 def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumulation) -> dict:
-    from minidist.finetune import train_step
+    from minidist.step import train_step
     from minidist.memory import estimator
 
     strategy, model, optimizer = _build(strategy_name, cpu_offload, source, env)

@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from minidist.distributed import get_env
+from minidist.runtime.distributed import get_env
 
 # What each comparison is a ratio to, and its goals: (label, numerator, denominator, kind, bound).
 REFERENCE = {"ddp": "DistributedDataParallel (torch)", "fsdp": "fully_shard FSDP2 (torch)"}
@@ -101,7 +101,7 @@ def time_implementations(what, hidden_size, num_layers, batch_size, seq_len, buc
     """Run in every rank: time the implementations compared by `what` on one model, turn by turn."""
     from transformers import LlamaForCausalLM
 
-    from minidist import models
+    from minidist.hf import models
     from minidist.memory.measure import step_peak
     from minidist.parallel import comm
 

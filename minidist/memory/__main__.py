@@ -7,8 +7,8 @@ that trains can be estimated by changing `-m minidist.finetune` into `-m minidis
 import json
 from dataclasses import fields
 
-from minidist import hub, lora, model_folder, models
-from minidist.errors import ArgumentParser, one_line_errors
+from minidist.hf import hub, lora, model_folder, models
+from minidist.runtime.errors import ArgumentParser, one_line_errors
 from minidist.memory import estimator, report
 from minidist.parallel.options import ParallelOptions
 

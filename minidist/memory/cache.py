@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from minidist.models import cache_root
+from minidist.hf.models import cache_root
 
 
 @functools.cache

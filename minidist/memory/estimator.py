@@ -5,7 +5,7 @@
 
 The model is built from its config on the meta device (shapes, no storage, no weights read), so
 P counts every parameter once, a tied embedding included. Sizes are bytes; 1 GB = 1e9 bytes.
-`measure.py` measures the same terms in the training loop; tests/test_memory.py holds the two
+`measure.py` measures the same terms in the training loop; tests/memory/test_memory.py holds the two
 together. `report.py` prints them (the command above, in `__main__.py`).
 
 **Model states** (Rajbhandari et al. 2020, "ZeRO", section 3). AdamW keeps two moments per
@@ -93,7 +93,7 @@ class Shape:
 
 def load_config(name_or_path: str):
     """A config from a local folder, the bundled copy of a known hub model, or the hub."""
-    from minidist import models
+    from minidist.hf import models
 
     path = Path(name_or_path).expanduser()
     source = path if (path / "config.json").exists() else BUNDLED.get(name_or_path, name_or_path)

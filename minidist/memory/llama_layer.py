@@ -4,7 +4,7 @@
 count done with pencil and paper for one architecture, so that the numbers mean something: read
 off `modeling_llama.py` as transformers runs it, after Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", section 4, the GPT layer), and tested equal
-to the trace in tests/test_trace.py, byte for byte.
+to the trace in tests/memory/test_trace.py, byte for byte.
 
 Per token and per layer (h = hidden, I = MLP width, q = heads x head_dim, kv = key/value heads x
 head_dim, n = heads, c = bytes of the compute dtype, r = bytes of the residual stream):

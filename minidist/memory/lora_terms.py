@@ -1,7 +1,7 @@
 """LoRA's model states: a frozen base that is only held, and adapters that are trained.
 
 `estimator.py` counts 16 bytes per parameter for a full fine-tune with AdamW. With LoRA
-(`minidist/lora.py`; Hu et al. 2021, section 4.2 "practical benefits": GPT-3 175B's training
+(`minidist/hf/lora.py`; Hu et al. 2021, section 4.2 "practical benefits": GPT-3 175B's training
 memory fell from 1.2 TB to 350 GB) only the P_lora adapter parameters have gradients, fp32 masters
 and Adam moments; the P frozen base parameters are held in the dtype each strategy keeps its
 weights in, and nothing else. Per rank, N ranks, bf16 (`--mixed_precision bf16`):
@@ -21,7 +21,7 @@ exactly from the config on the meta device, as peft would place the adapters.
 Activations are traced on the model with its adapters (`trace.py`, `adapt`): LoRA's own saved
 tensors (the r-wide output of each `lora_A`; with dropout its mask and the dropped input) are in,
 and the inputs of frozen linear layers, which a full fine-tune saves for their weights' gradients,
-are out (tests/test_lora.py holds it to a real peft forward, byte for byte). The peak's walk
+are out (tests/parallel/test_lora.py holds it to a real peft forward, byte for byte). The peak's walk
 (`moments.py`) gets the adapters as the trained shape (`trained_shape`): gradients, reductions and
 the step are theirs; FSDP's gathers are of whole units, frozen and trainable flats together.
 """
@@ -41,7 +41,7 @@ def _lora_counts(config_json: str, config_class, rank: int, targets: str | None)
 
     import torch
 
-    from minidist import lora
+    from minidist.hf import lora
     from minidist.memory import trace
 
     args = argparse.Namespace(lora_rank=rank, lora_alpha=None, lora_dropout=None, lora_target_modules=targets)
@@ -158,7 +158,7 @@ def adapt(key: tuple, mode: str):
     import torch
     from peft import get_peft_model
 
-    from minidist import lora
+    from minidist.hf import lora
 
     rank, targets, dropout = key
     args = argparse.Namespace(lora_rank=rank, lora_alpha=None, lora_dropout=dropout, lora_target_modules=targets)

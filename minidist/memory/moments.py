@@ -24,7 +24,7 @@ hand-written ZeRO-2 and FSDP make no such copy on either: their inputs are scrat
 `comm.reduce_scatter` all-reduces in place on gloo. ZeRO-1's input is the kept gradient buffer, so
 gloo copies it.
 
-Checked against `LiveTensors` in tests/test_memory.py (within 5%, every strategy). Where the
+Checked against `LiveTensors` in tests/memory/test_memory.py (within 5%, every strategy). Where the
 logits outweigh a layer's activations several times over, FSDP's figure strays further: the
 loss's own tensors are one term here ("logits"), not walked operator by operator.
 """

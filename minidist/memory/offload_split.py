@@ -16,7 +16,7 @@ forward or backward, with the activations; the host in the optimizer step, with 
 
 The device column is the one that must fit in a GPU: under offload the estimate's `peak` is it
 (so `--gpu_memory` and the largest batch read it), and `host` is the other side's. PCIe bytes
-per step: `pcie_bytes`. Measured on CPU ranks by `memory/sides.py`; tests/test_offload.py holds
+per step: `pcie_bytes`. Measured on CPU ranks by `memory/sides.py`; tests/parallel/test_offload.py holds
 the two together.
 """
 

@@ -16,7 +16,7 @@ memory, so `SplitLiveTensors` tells them apart by the rules a GPU would impose:
 It is `measure.LiveTensors` (the whole step's live tensors, each storage once) with the bytes
 kept per side: `device_peak` and `host_peak` are each side's own highest point in the block (they
 need not fall at the same moment), `peak` their sum's. `estimator.py`'s device and host columns
-(`offload_split`) are held to them in tests/test_offload.py.
+(`offload_split`) are held to them in tests/parallel/test_offload.py.
 """
 
 import torch

@@ -10,7 +10,7 @@ So here we ask the model itself:
    a device and a storage size, but no data, so a 70B model at 32k tokens costs no memory, and
    every operator runs its "meta" rule instead of its kernel. The dispatch is the real one, so SDPA
    picks the kernel a CPU run would pick, and autograd records what each operator saves.
-2. Run forward and the loop's own loss (`finetune.token_loss_sum`) at the requested batch, length
+2. Run forward and the loop's own loss (`step.token_loss_sum`) at the requested batch, length
    and precision (fp32; bf16 weights; autocast), with `torch.autograd.graph.saved_tensors_hooks`.
    The pack hook sees every tensor autograd saves. We count distinct storages (a view shares its
    base's storage, so it counts once), skip parameters and views of them (model states), and note
@@ -43,7 +43,7 @@ What the real run does that a trace cannot know, we pin:
 - the device is the CPU: a GPU run may pick another SDPA kernel (flash saves no mask; memory-
   efficient attention with a mask saves it), which this trace does not model.
 
-Validated against a real CPU forward of tiny models in tests/test_trace.py.
+Validated against a real CPU forward of tiny models in tests/memory/test_trace.py.
 """
 
 import copy
@@ -196,7 +196,7 @@ def batch_for(batch: int, seq: int, padded: bool, vocab_size: int, make=torch.ra
 
 
 def seq2seq_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
-    """`finetune.token_loss_sum` for an encoder-decoder: the decoder reads the labels shifted right
+    """`step.token_loss_sum` for an encoder-decoder: the decoder reads the labels shifted right
     (the model's own `prepare_decoder_input_ids_from_labels`: a start token, -100 as padding), so
     logit t predicts label t, and no shift is left for the loss. The labels are not passed to the
     model: it would also compute its own mean loss, which a loop that sums its loss throws away."""
@@ -210,7 +210,7 @@ def seq2seq_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
 
 def run_and_record(model, batch: dict, mode: str) -> Trace:
     """Forward and the loop's loss under `SavedByLayer`: what a real (or fake) model saves."""
-    from minidist.finetune import token_loss_sum
+    from minidist.step import token_loss_sum
 
     loss_sum = seq2seq_loss_sum if model.config.is_encoder_decoder else token_loss_sum
     with SavedByLayer(model) as seen:

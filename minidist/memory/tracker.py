@@ -37,7 +37,7 @@ What MemTracker counts, read in torch 2.13's `torch/distributed/_tools/mem_track
   which it patches (lines 483-497); a module run twice in one block raises NotImplementedError
   (lines 671-678): gradient accumulation cannot be traced;
 - under fake tensors a storage's size is known without memory, so the figures are the same as
-  with real tensors (tests/test_tracker.py checks one FSDP case against a real run).
+  with real tensors (tests/memory/test_tracker.py checks one FSDP case against a real run).
 What it misses for this comparison: PyTorch's DDP allocates its gradient buckets in C++ when it
 wraps the model, outside any tracker, and a plain step has none: 4 bytes per parameter that
 `estimator.py` counts and the DDP trace does not. And the trace runs on the CPU device: autocast
@@ -103,7 +103,7 @@ def trace(source: str, setup: Setup, fake: bool = True) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from minidist.finetune import token_loss_sum
+    from minidist.step import token_loss_sum
     from minidist.parallel.strategy import get_strategy
 
     if not applies(setup):

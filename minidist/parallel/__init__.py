@@ -3,7 +3,7 @@
     01  comm.py        collectives, the bytes each rank sends under the ring algorithm, a ring all-reduce by hand
     02  ddp.py         data parallelism: naive, then bucketed with communication overlapping backward
         wrapper.py     what every hand-written wrapper shares: broadcast, no_sync, buckets, the gradient count
-    03  (no_sync)      gradient accumulation: `wrapper.py`'s `no_sync`, driven by `finetune.train_step`
+    03  (no_sync)      gradient accumulation: `wrapper.py`'s `no_sync`, driven by `step.train_step`
     04  zero.py        ZeRO-1 (also as an optimizer around any torch.optim class) and ZeRO-2
         flat.py        the flat layout ZeRO and FSDP share: flatten, pad, shard; gather and scatter whole flats
     05  fsdp.py        ZeRO-3: units by layer class, prefetch, the story of a step
@@ -14,6 +14,6 @@
         options.py     every parallel option of a run, in one dataclass
         mesh.py        the process-group layout: the data-parallel shard and replicate dimensions
 
-Lesson 00 (memory) is `minidist/memory/`; lesson 08 (checkpoints) is `minidist/state.py` and
-`minidist/sharded_state.py`. Nothing is imported here: each module is imported by its own name.
+Lesson 00 (memory) is `minidist/memory/`; lesson 08 (checkpoints) is `minidist/checkpoint/state.py` and
+`minidist/parallel/flat_state.py`. Nothing is imported here: each module is imported by its own name.
 """

@@ -115,7 +115,7 @@ def _world(group) -> int:
 
 def crosses_nodes(group=None) -> bool:
     """Whether this rank's right neighbour on the ring of `group` sits on another node."""
-    from minidist.distributed import get_env
+    from minidist.runtime.distributed import get_env
 
     n, per_node = _world(group), get_env().local_world_size
     right = (dist.get_rank(group) + 1) % n

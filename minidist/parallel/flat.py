@@ -15,7 +15,7 @@ all-gather, say) writes the parameter, with no copy. This is the layout of PyTor
 *describes* where things sit, and each strategy decides which tensors follow it.
 
 A shard is cut as `torch.chunk` cuts: ceil(numel / N) elements per rank. So a checkpoint can
-describe rank r's shard as rows [r S, (r+1) S) of the unpadded flat (`sharded_state.py`).
+describe rank r's shard as rows [r S, (r+1) S) of the unpadded flat (`parallel/flat_state.py`).
 
 The helpers below move whole flats between ranks for saving, loading and sharding a model that
 only rank 0 has read: not training steps, so they are not counted in the step's bytes.

@@ -1,6 +1,6 @@
 """Frozen parameters in an FSDP unit: sharded and gathered like the rest, never reduced, never stepped.
 
-With LoRA (`minidist/lora.py`) a decoder layer holds both kinds: the frozen base weights
+With LoRA (`minidist/hf/lora.py`) a decoder layer holds both kinds: the frozen base weights
 (`q_proj.base_layer.weight`, the norms, ...) and the trainable adapters (`lora_A`, `lora_B`).
 A unit (`unit.py`) therefore lays its parameters out in two flats, each by its own
 `flat.FlatLayout`:

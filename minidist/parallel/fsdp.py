@@ -56,7 +56,7 @@ rank 0 holds the fp32 model in host memory (27 GB) plus one flattened unit (a de
 202M parameters: 0.8 GB), the three other ranks hold nothing, and each GPU receives 6.7 GB of
 fp32 shards; if every rank loaded the model, the node would need 4 x 27 = 108 GB of host memory.
 
-The learner's check that all this is right: `tests/test_zero_fsdp.py` trains it next to a
+The learner's check that all this is right: `tests/parallel/test_zero_fsdp.py` trains it next to a
 single process on the whole batch and finds the same losses and weights.
 """
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from minidist.distributed import device_mesh
+from minidist.runtime.distributed import device_mesh
 from minidist.parallel import comm
 from minidist.parallel.flat import collective_device
 

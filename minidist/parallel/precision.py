@@ -16,7 +16,7 @@ things must *not* be bf16 (Micikevicius et al. 2018, "Mixed Precision Training",
   ranks is done in fp32 (`reduce_dtype`), and only then kept (a bf16 reduction, selectable with
   `--reduce_dtype bf16`, halves the bytes on the wire at the price of that rounding).
 
-The loss and its softmax over the vocabulary are computed in fp32 too (`finetune.token_loss_sum`).
+The loss and its softmax over the vocabulary are computed in fp32 too (`step.token_loss_sum`).
 bf16 has fp32's range, so unlike fp16 it needs no loss scaling.
 
 How each strategy applies the policy (one `MixedPrecision`, three mechanisms):

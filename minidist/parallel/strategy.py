@@ -58,7 +58,7 @@ class Strategy:
 
     def load_model(self, name_or_path: str) -> nn.Module:
         """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
-        from minidist import models
+        from minidist.hf import models
 
         return models.load_model(name_or_path)
 
@@ -177,14 +177,14 @@ class ShardedByHand(Strategy):
         return full if self.env.is_main else None
 
     def get_state_dict(self, model, optimizer, full):
-        from minidist import sharded_state
+        from minidist.parallel import flat_state
 
-        return sharded_state.get_state_dict(model, optimizer, full, self.env, self.mesh)
+        return flat_state.get_state_dict(model, optimizer, full, self.env, self.mesh)
 
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
-        from minidist import sharded_state
+        from minidist.parallel import flat_state
 
-        sharded_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
+        flat_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
 
 
 class MinidistZeRO(ShardedByHand):

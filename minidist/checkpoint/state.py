@@ -1,0 +1,298 @@
+"""Training state: save all of it, atomically, and resume from it exactly.
+
+A run that is killed (a time limit, a preemption, a crash) must continue *exactly* where it
+stopped: same weights, same Adam moments, same learning-rate step, same next batch, same random
+numbers. So a checkpoint holds the whole training state, not just the model:
+
+- the model's and the optimizer's `state_dict`, keyed by parameter name;
+- the LR scheduler's `state_dict` (its step count);
+- every rank's random number generators (torch's CPU and CUDA ones, Python's `random`; numpy's
+  is not used here, add it if your data pipeline draws from it);
+- the step, and with it the data position (epoch, offset): `GlobalBatchSampler` makes global
+  batch k a function of the seed and k alone, so the step *is* the position, and the run's seed,
+  global batch and data size are saved to refuse a resume that would read other data;
+- the metrics so far, so that `metrics.jsonl` goes on with no step lost or repeated.
+
+**Two forms.** A *full* checkpoint gathers the model to rank 0 and writes it as a Hugging Face
+folder (`checkpoint-N/model`, which `from_pretrained` loads), with the optimizer consolidated
+into one `optimizer.pt`: portable, but rank 0 must hold everything (for 7B with AdamW: 81 GB of
+CPU memory). Under LoRA that folder is the adapter alone (`PeftModel.from_pretrained` loads it);
+a resume takes the frozen base from the model it loaded, as the first run did (`lora.py`). A *sharded* checkpoint lets each rank write only its own shard with PyTorch's
+distributed checkpoint (DCP, `torch.distributed.checkpoint`): no rank ever holds the full state,
+all ranks write at once, and DCP records which slice of which tensor each file holds, so a
+different world size reads the slices it needs (resharding). To get one file out of it anyway:
+`python -m torch.distributed.checkpoint.format_utils dcp_to_torch CHECKPOINT/dcp state.pt`.
+
+Both forms get and set the state through `strategy.get_state_dict` / `set_state_dict`, which
+default to PyTorch's `torch.distributed.checkpoint.state_dict` helpers (they understand plain
+modules, DDP and FSDP2; FSDP2 saves one DTensor per parameter). The hand-written ZeRO and FSDP
+hand out their flat shards instead (`parallel/flat_state.py`): one DTensor per *flat* (a bucket or a
+unit, `DTensor.from_local`, `Shard(0)`), and take them back; DCP then saves and reshards them
+like FSDP2's, and nothing here changes.
+
+**Atomic.** A save writes `checkpoint-N.tmp/`; every rank fsyncs its files; the ranks compare
+outcomes (a full disk fails the save on all of them, and the `.tmp` goes: `save_errors.py`); the
+ranks hash the files together (`checksums.py`); then rank 0 writes `checkpoint.json` (the manifest:
+what the checkpoint holds, every file's size and checksum, and a checksum of the manifest itself)
+and publishes with one `os.rename` to `checkpoint-N`, then replaces the `latest` pointer (a text
+file naming the folder) by the same write-then-rename. A kill at any moment leaves `latest` naming
+a complete checkpoint; `verify` refuses one whose bytes changed since. A rename is atomic within
+one file system; that is why nothing is ever published by writing in place. Only the newest K
+checkpoints are kept (`--save_total_limit`).
+On several nodes, `--output_dir` must be a file system they all share, as DCP assumes too.
+
+When a save happens is the loop's business: every `--save_steps`, and when the cluster asks the
+run to stop (`preemption.py`).
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist.checkpoint import checksums, save_errors
+from minidist.hf import lora
+from minidist.checkpoint.preemption import pause_if_asked
+
+CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads")  # what fixes the shape of every weight
+
+
+def model_fingerprint(name_or_path: str) -> dict:
+    """The parts of a model's config that fix its weights' shapes: cheap, read before loading it."""
+    from minidist.hf.models import load_config
+
+    config = load_config(name_or_path).to_dict()
+    return {key: config.get(key) for key in CONFIG_KEYS}
+
+
+# ---------------------------------------------------------------- files, written durably
+def _fsync(path: Path) -> None:
+    """Ask the OS to put a file (or a folder's list of names) on disk, not just in its cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
+def _write(path: Path, content, text=False) -> None:
+    """torch.save (or write text) and fsync: the file is on disk when this returns."""
+    with open(path, "w" if text else "wb") as f:
+        f.write(content) if text else torch.save(content, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _manifest_checksum(meta: dict) -> str:
+    """checkpoint.json's own checksum, of everything else in it: a damaged step number is refused too."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def _rng_state(device) -> dict:
+    version, state, gauss = random.getstate()
+    rng = {"torch": torch.get_rng_state(), "python": (version, torch.tensor(state), gauss)}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def _set_rng_state(rng: dict, device) -> None:
+    torch.set_rng_state(rng["torch"])
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state.tolist()), gauss))
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+# ---------------------------------------------------------------- finding and checking a checkpoint
+def find(resume: str, output_dir) -> Path:
+    """`--resume` alone means `output_dir/latest`; a path is a checkpoint folder or an output dir."""
+    path = Path(output_dir if resume == "latest" else resume)
+    if (path / "checkpoint.json").exists() or path.name.startswith("checkpoint-"):
+        return path
+    if not (path / "latest").exists():
+        raise ValueError(f"--resume: no checkpoint in {path} (no {path / 'latest'}); "
+                         f"drop --resume to start afresh, or pass a checkpoint folder")
+    target = path / (path / "latest").read_text().strip()
+    if not target.is_dir():
+        raise ValueError(f"{path / 'latest'} names {target.name}, which does not exist; "
+                         f"pass another checkpoint to --resume")
+    return target
+
+
+def verify(path: Path, run: dict) -> Path:
+    """Refuse, in one sentence and before any training, a checkpoint that is incomplete, damaged
+    or written by another kind of run; return its path. Every rank calls it (it hashes the files)."""
+    manifest = path / "checkpoint.json"
+    try:
+        meta = json.loads(manifest.read_text())
+        files, sums = meta["files"], meta["checksums"]
+        intact = meta.pop("manifest_checksum") == _manifest_checksum(meta) and files.keys() == sums.keys()
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a complete checkpoint (no checkpoint.json: a save that never finished?); "
+                         f"resume from another one") from None
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not our manifest
+        intact = False
+    if not intact:
+        raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
+                         f"manifest); resume from another checkpoint or start afresh without --resume")
+    for name, size in files.items():
+        have = (path / name).stat().st_size if (path / name).exists() else 0
+        if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
+            raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
+                             f"resume from another checkpoint or start afresh without --resume")
+    found = checksums.file_checksums(path, list(files))  # every rank hashes its share of the pieces
+    for name in files:
+        if found[name] != sums[name]:  # bytes overwritten in place: only a checksum sees it
+            raise ValueError(f"checkpoint {path} is damaged: {name} does not match its checksum (its bytes "
+                             f"changed since the save); resume from another checkpoint or start afresh "
+                             f"without --resume")
+    for key, what, fix in (("model", "model", "pass the --model it was trained from"),
+                           ("strategy", "strategy", "resume with the same --impl, --strategy and --lora_* flags"),
+                           ("global_batch_size", "global batch", "keep batch x ranks x accumulation the same"),
+                           ("seed", "seed", "pass its --seed"), ("num_examples", "training data", "pass its --data")):
+        theirs, ours = meta["run"][key], run[key]
+        if theirs != ours:
+            if isinstance(ours, dict):  # a model: name only the config entries that differ
+                keys = [k for k in ours if theirs.get(k) != ours[k]]
+                theirs = ", ".join(f"{k} {theirs.get(k)}" for k in keys)
+                ours = ", ".join(f"{k} {ours[k]}" for k in keys)
+            raise ValueError(f"checkpoint {path} was written with another {what} ({theirs}; this run: {ours}); "
+                             f"{fix}, or use another --output_dir")
+    return path
+
+
+# ---------------------------------------------------------------- save and load
+class Checkpointer:
+    """Save and load the whole training state of one run under `output_dir` (see module doc)."""
+
+    def __init__(self, output_dir, strategy, model, optimizer, scheduler, run: dict, form="sharded",
+                 keep=2, tokenizer=None):
+        self.root, self.strategy, self.model = Path(output_dir), strategy, model
+        self.optimizer, self.scheduler, self.run, self.form = optimizer, scheduler, run, form
+        self.keep, self.tokenizer, self.env = keep, tokenizer, strategy.env
+
+    def save(self, step: int, position, metrics_path: Path, extra: dict) -> Path:
+        """Every rank calls this at the same step boundary. Returns the published folder. A full
+        disk fails it on every rank at once, in one line, with the `.tmp` removed (`save_errors.py`)."""
+        save_errors.refuse_non_finite(self.optimizer, self.env.device, step)  # never a nan state over a good one
+        final, rank = self.root / f"checkpoint-{step}", self.env.rank
+        tmp = final.with_name(final.name + ".tmp")
+        failure = None  # this rank's first failed write; the ranks compare them before publishing
+
+        def attempt(write) -> None:  # not after a failure; and a collective never inside one
+            nonlocal failure
+            if failure is None:
+                try:
+                    write()
+                except Exception as err:  # noqa: BLE001 (save_errors.agree tells the disk's faults from bugs)
+                    failure = err
+
+        if self.env.is_main:
+            attempt(lambda: [shutil.rmtree(stale) for stale in self.root.glob("checkpoint-*.tmp")])  # cut short
+            attempt(lambda: tmp.mkdir(parents=True))
+        dist.barrier()
+        attempt(lambda: _write(tmp / f"rng-{rank}.pt", _rng_state(self.env.device)))
+        if self.form == "sharded":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=False)
+            try:  # Each rank writes its own shard file (and fsyncs it); rank 0 adds DCP's .metadata.
+                dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            except (Exception, CheckpointException) as err:  # DCP raises on every rank if one failed
+                failure = failure or err
+        else:
+            model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=True)
+            if self.env.is_main:  # the others got empty dicts: the whole state is on rank 0's CPU
+                attempt(lambda: self.strategy.unwrap(self.model).save_pretrained(tmp / "model", state_dict=model_sd))
+                if self.tokenizer is not None:
+                    attempt(lambda: self.tokenizer.save_pretrained(tmp / "model"))
+                attempt(lambda: _write(tmp / "optimizer.pt", optim_sd))
+        del model_sd, optim_sd
+        if self.env.is_main:
+            lines = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= step]
+            attempt(lambda: _write(tmp / "scheduler.pt", self.scheduler.state_dict()))
+            attempt(lambda: _write(tmp / "metrics.jsonl", "".join(l + "\n" for l in lines), text=True))
+        pause_if_asked("save", step)
+        # Every rank has written (or failed): only if all succeeded may rank 0 publish.
+        save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
+        sums = checksums.folder_checksums(tmp)  # every rank hashes its share of the pieces
+        failure = None
+        if self.env.is_main:
+            attempt(lambda: self._publish(tmp, final, step, position, extra, sums))
+        # Nobody leaves (and maybe exits) before the checkpoint is published, or learns it was not.
+        save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
+        return final
+
+    def _publish(self, tmp: Path, final: Path, step: int, position, extra: dict, sums: dict) -> None:
+        files = {name: (tmp / name).stat().st_size for name in sums}
+        meta = {"step": step, "form": self.form, "world_size": self.env.world_size,
+                "position": {"epoch": position[0], "offset": position[1]}, "run": self.run,
+                "extra": extra, "files": files, "checksums": sums}
+        meta["manifest_checksum"] = _manifest_checksum(meta)
+        _write(tmp / "checkpoint.json", json.dumps(meta, indent=1), text=True)  # last: "complete"
+        _fsync_tree(tmp)
+        old = final.with_name(final.name + ".replaced")
+        if final.exists():  # a run resumed from an older checkpoint meets its former future
+            final.rename(old)
+        tmp.rename(final)
+        _fsync(self.root)
+        pointer = self.root / "latest.tmp"
+        _write(pointer, final.name + "\n", text=True)
+        pointer.rename(self.root / "latest")  # atomic: latest names the old or the new, never half
+        _fsync(self.root)
+        shutil.rmtree(old, ignore_errors=True)
+        if self.keep > 0:
+            done = sorted((p for p in self.root.glob("checkpoint-*") if p.suffix == "" and p.is_dir()),
+                          key=lambda p: int(p.name.split("-")[1]))
+            for stale in done[:-self.keep]:
+                if stale != final:
+                    shutil.rmtree(stale)
+
+    def load(self, path: Path) -> dict:
+        """Load a checkpoint that `verify` accepted into the model, optimizer, scheduler and RNGs.
+
+        Returns its step, data position, metrics records and `extra`. Every rank calls it."""
+        meta = json.loads((path / "checkpoint.json").read_text())
+        if meta["form"] == "sharded":
+            import torch.distributed.checkpoint as dcp
+
+            # The live state_dicts say which shard this rank needs; DCP reads just that slice
+            # of every tensor into them, whatever the world size that wrote the files.
+            model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=False)
+            state = {"model": model_sd, "optimizer": optim_sd}
+            dcp.load(state, checkpoint_id=str(path / "dcp"))
+            self.strategy.set_state_dict(self.model, self.optimizer, state["model"], state["optimizer"], full=False)
+        else:
+            model_sd, optim_sd = {}, {}
+            # LoRA: `model` is the adapter alone; the frozen base is the live one (every rank gathers it)
+            live = self.strategy.full_state_dict(self.model) if lora.is_peft(self.strategy.unwrap(self.model)) else None
+            if self.env.is_main:  # rank 0 reads the files; set_state_dict broadcasts (and shards)
+                from transformers import AutoModelForCausalLM
+
+                model_sd = (lora.with_saved_adapter(live, path / "model") if live is not None else
+                            AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32).state_dict())
+                optim_sd = torch.load(path / "optimizer.pt", weights_only=True)
+            self.strategy.set_state_dict(self.model, self.optimizer, model_sd, optim_sd, full=True)
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        rng = path / f"rng-{self.env.rank}.pt"
+        if rng.exists():  # a rank beyond the saved world size keeps its own seeded generators
+            _set_rng_state(torch.load(rng, weights_only=True), self.env.device)
+        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        position = (meta["position"]["epoch"], meta["position"]["offset"])
+        return {"step": meta["step"], "position": position, "records": records, "extra": meta["extra"]}
+

@@ -1,0 +1,75 @@
+"""What a model folder must hold, and what its config must say, checked before anything loads.
+
+`from_pretrained` reads a folder in three passes (config, tokenizer, weights) and each pass fails
+in its own way, late and sideways: a folder without a tokenizer blames a missing `sentencepiece`
+package (transformers falls back to converting a slow tokenizer it cannot find either); one
+without weights fails only after the tokenizer, the data and the process group are set up; a
+config with `hidden_size: 0` divides by zero while the model is built. The commands call these
+checks first, so that the learner reads one sentence naming the folder and what it lacks.
+Hub names are the hub's business (`hub.py`): the checks look at local folders only.
+"""
+
+from pathlib import Path
+
+from minidist.hf import models
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, GPT-2's BPE
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Sizes every causal LM config has (GPT-2's n_embd, n_layer, ... answer to these names too).
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("intermediate_size", "num_key_value_heads", "max_position_embeddings")
+
+
+def check_config(config, name: str) -> None:
+    """ValueError when the config describes no model that can exist: a size that is not a positive
+    whole number, or a width that the attention heads do not divide."""
+    for size in SIZES + tuple(s for s in OPTIONAL_SIZES if getattr(config, s, None) is not None):
+        value = getattr(config, size, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"the config of {name!r} says {size}: {value!r}; it must be a whole number of at least "
+                             f"1: fix its config.json")
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    if hidden % heads and not getattr(config, "head_dim", None):
+        raise ValueError(f"the config of {name!r} has hidden_size {hidden}, which its {heads} attention heads do not "
+                         f"divide: fix its config.json")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ValueError(f"the config of {name!r} has {heads} attention heads, which its {kv_heads} key/value heads do "
+                         f"not divide: fix its config.json")
+
+
+def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | None = None) -> None:
+    """For a local folder (after `models.resolve`): FileNotFoundError when it lacks the tokenizer
+    or (`weights`) the weights, ValueError when its config cannot be a model, or has fewer
+    positions than `max_seq_length` (learned positions, as GPT-2's, end there)."""
+    from transformers import AutoConfig
+
+    folder = Path(models.resolve(name_or_path))
+    if not folder.is_dir():
+        return  # a hub name
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model folder {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                                f"copy the tokenizer's files next to config.json (`tokenizer.save_pretrained(folder)`)")
+    if weights and not any((folder / f).exists() for f in WEIGHT_FILES):
+        raise FileNotFoundError(f"model folder {str(folder)!r} has a config but no weights (none of "
+                                f"{', '.join(WEIGHT_FILES[::2])}): point --model at a folder written by save_pretrained")
+    from huggingface_hub.errors import StrictDataclassError  # transformers' own check of a config
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (StrictDataclassError, ValueError) as err:
+        raise ValueError(f"the config of {str(folder)!r} cannot be a model ({reason(err)}): fix its config.json") from err
+    check_config(config, str(folder))
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART: AutoModelForCausalLM would build half, or nothing
+        raise ValueError(f"{str(folder)!r} is an encoder-decoder ({config.model_type}); minidist.finetune trains causal "
+                         f"(decoder-only) language models. Its memory can be estimated: python -m minidist.memory {folder}")
+    positions = getattr(config, "max_position_embeddings", None)
+    if max_seq_length and positions and max_seq_length > positions:
+        raise ValueError(f"--max_seq_length {max_seq_length} is longer than the {positions} positions of {str(folder)!r}: "
+                         f"pass --max_seq_length {positions} or less")
+
+
+def reason(err: Exception) -> str:
+    """The last line of transformers' config check ("ValueError: The hidden size (30) is not a multiple ...")."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__

@@ -1,0 +1,284 @@
+"""Process groups: how N copies of one script find each other.
+
+Distributed training runs the *same* script in N processes, one per GPU (or, on a laptop,
+one per few CPU cores). Each process needs to know four numbers:
+
+- ``rank``: who am I among all processes, ``0 .. world_size - 1``. Rank 0 is the "main"
+  rank by convention: it logs, saves checkpoints and hosts the rendezvous.
+- ``world_size``: how many processes take part in total (4 GPUs on 1 node: 4; 2 nodes of
+  4 GPUs: 8).
+- ``local_rank``: who am I *on this machine*, ``0 .. local_world_size - 1``. It picks the
+  GPU: local rank 2 drives ``cuda:2``. On node 1 of the example above, ranks 4..7 have local
+  ranks 0..3.
+- ``local_world_size``: how many processes share this machine (its GPUs, or its CPU cores).
+
+Nobody computes these by hand. A launcher starts the processes and writes the numbers into
+each one's environment:
+
+- ``torchrun --nproc_per_node=4 train.py`` sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+  MASTER_ADDR and MASTER_PORT.
+- ``srun`` (SLURM, one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and
+  SLURM_NTASKS_PER_NODE; the rendezvous address is the first host of the job's node list.
+- ``minidist.runtime.launch`` (notebooks, tests) sets the torchrun variables itself.
+- Nothing at all: a plain ``python train.py`` is a world of one process.
+
+``MASTER_ADDR:MASTER_PORT`` is where rank 0 runs a small key-value store (a ``TCPStore``);
+every rank connects to it once to exchange addresses, then the backend talks peer to peer:
+NCCL between GPUs (NVLink, InfiniBand), gloo between CPU processes over TCP.
+
+Why a timeout: a collective such as ``all_reduce`` returns only when *every* rank has joined
+it. If one rank crashes or takes another branch, the others wait. Without a timeout they wait
+forever and burn a GPU allocation; with one they fail with an error that names the
+collective. (For NCCL the timeout is enforced by PyTorch's watchdog thread, on by default.)
+
+**Leaving cleanly.** A gloo process group runs its collectives on worker threads of its own.
+A worker that finishes a collective lets go of the work's tensors a moment later, and if it
+drops the last reference to a tensor Python still knew, it must take the GIL to free it. If the
+interpreter is already shutting down by then, Python ends that thread from inside a C++
+destructor and the process dies of SIGABRT ("terminate called without an active exception"),
+after the run has finished and logged. `cleanup` therefore destroys the group *for real* while
+the interpreter is alive: destroying it joins the worker threads, which first finish letting go.
+Two things in PyTorch kept the group alive past `destroy_process_group`, so that its threads ran
+on into shutdown (found with a core dump of an abort; `python tests/checkpoint/exit_loop.py` counts aborts
+over many short runs):
+
+- `torch.distributed.nn` captures the world group in default arguments (`group=group.WORLD`)
+  when it is first imported. transformers imports it (through `torch.distributed._shard`) when
+  it first loads a tokenizer or a model, after our group exists. Imported at the top of this
+  module, before any group exists, it captures `None`.
+- FSDP2's and DCP's `DeviceMesh` keeps its groups in a registry, and DTensor's sharding caches
+  keep the meshes. So every mesh here comes from `device_mesh()`, and `cleanup` empties the
+  registry of each before it destroys the group.
+
+And a wrapped model left in a reference cycle holds the group until the cycle collector runs, so
+`cleanup` runs it first. A cycle through a tensor hook the collector cannot break at all (PyTorch
+keeps the hook in C++), so the hand-written wrappers hook their parameters only weakly
+(`parallel/wrapper.py`, `weak_hook`). `tests/loop/test_finetune.py` checks that no gloo thread is left
+after every strategy has trained.
+
+(The same abort is analysed in PyTorch pull request 179291, "Register atexit handler to destroy
+process groups before interpreter finalization", 2026, abandoned upstream as more complicated than
+it looked.)
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+# Imported before any process group exists, on purpose: see "Leaving cleanly" above.
+import torch.distributed.nn  # noqa: F401
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's default, so both launchers behave alike
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands in the job; see the module docstring for the terms."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_env: DistEnv | None = None  # set by init_distributed, read by get_env
+_meshes: dict = {}  # device_mesh(): one mesh per device type and shape, released by cleanup
+
+
+def find_free_port() -> int:
+    """Ask the OS for a TCP port nobody listens on (bind to port 0, read it back, let go).
+
+    Another program could grab it between now and the rendezvous; on one machine that
+    window is short enough in practice.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """``node[03-05]`` -> ``node03``: SLURM's compressed node list, expanded by scontrol."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+    ).stdout
+    return out.split()[0]
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """SLURM writes tasks per node compressed: ``"4"``, ``"4(x2)"`` or ``"2(x3),1"``."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        n, _, rep = part.partition("(x")
+        counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def read_launch_env(
+    environ: Mapping[str, str], resolve_host: Callable[[str], str] = _first_slurm_host
+) -> dict:
+    """Who launched us, and with which numbers? A pure function of the environment.
+
+    Returns a dict with ``source`` ("torchrun", "slurm" or "single"), ``rank``,
+    ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr`` and ``master_port``
+    (``None`` for "single": the caller picks a free port).
+    ``resolve_host`` turns SLURM's node list into the rendezvous host; tests pass a stub.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        # torchrun (or minidist.runtime.launch). Defaults cover a hand-made single-node launch.
+        world_size = int(environ["WORLD_SIZE"])
+        return dict(
+            source="torchrun",
+            rank=int(environ["RANK"]),
+            world_size=world_size,
+            local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+        )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        # srun with one task per GPU: SLURM plays torchrun's role.
+        per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        node_id = int(environ.get("SLURM_NODEID", 0))
+        addr = environ.get("MASTER_ADDR") or resolve_host(environ["SLURM_JOB_NODELIST"])
+        # Every task must agree on the port without talking to each other: derive it from
+        # the job id they share, so two jobs on one node do not collide.
+        port = environ.get("MASTER_PORT")
+        if port is None:
+            port = DEFAULT_MASTER_PORT + int(environ.get("SLURM_JOB_ID", 0)) % 1000
+        return dict(
+            source="slurm",
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=int(environ["SLURM_NTASKS"]),
+            local_rank=int(environ.get("SLURM_LOCALID", 0)),
+            local_world_size=_tasks_on_node(per_node, node_id) if per_node else 1,
+            master_addr=addr,
+            master_port=int(port),
+        )
+    # A world of one talks only to itself: this machine, any free port (a MASTER_ADDR left
+    # over from a batch script could name another node).
+    return dict(source="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                master_addr="127.0.0.1", master_port=None)
+
+
+def _usable_cores() -> int:
+    # Under SLURM or taskset a process may use fewer cores than the machine has.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def device_and_backend(local_rank: int, device_type: str | None = None) -> tuple[torch.device, str]:
+    """Where this rank computes and how it talks: a GPU and NCCL wherever CUDA is visible, else
+    the CPU and gloo; `device_type="cpu"` keeps a rank on the CPU even on a GPU node (what
+    `launch.py`'s CPU ranks ask for).
+
+    The GPU is `local_rank % device_count()`: torchrun shows each process every GPU of the node
+    (rank 3 takes cuda:3), but SLURM with `--gpus-per-task=1` shows each task only its own,
+    which is then cuda:0 for every task."""
+    if device_type not in (None, "cpu", "cuda"):
+        raise ValueError(f"device_type must be None, 'cpu' or 'cuda', got {device_type!r}")
+    if device_type != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    if device_type == "cuda":
+        raise RuntimeError("device_type='cuda' asked for, but this process sees no GPU")
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(timeout_s: float | None = None, device_type: str | None = None) -> DistEnv:
+    """Join the process group described by the environment, once; return our DistEnv.
+
+    Calling it again returns the existing group's DistEnv, so library code may call it
+    without asking whether the script already did. ``timeout_s`` (else the environment
+    variable MINIDIST_TIMEOUT_S, else 600 s) bounds how long a collective may wait.
+    ``device_type`` is ``device_and_backend``'s: None picks the GPU where there is one.
+    """
+    global _env
+    if dist.is_initialized():
+        return get_env()
+    where = read_launch_env(os.environ)
+    port = where["master_port"] or find_free_port()
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MINIDIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+    device, backend = device_and_backend(where["local_rank"], device_type)
+    if device.type == "cuda":
+        # One process per GPU: bind before any CUDA work, or every rank piles onto cuda:0.
+        torch.cuda.set_device(device)
+    else:
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N ranks on one laptop each default to all cores: share them out instead.
+            torch.set_num_threads(max(1, _usable_cores() // where["local_world_size"]))
+
+    if where["source"] == "torchrun":
+        # torchrun's agent already runs the store the ranks should meet at; env:// uses it.
+        init_method = "env://"
+    else:
+        addr = where["master_addr"]
+        host = f"[{addr}]" if ":" in addr else addr  # IPv6 literals need brackets in a URL
+        init_method = f"tcp://{host}:{port}"
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=where["rank"],
+        world_size=where["world_size"],
+        timeout=timedelta(seconds=timeout_s),
+    )
+    ranks = {k: where[k] for k in ("rank", "world_size", "local_rank", "local_world_size")}
+    _env = DistEnv(**ranks, device=device, backend=backend)
+    return _env
+
+
+def get_env() -> DistEnv:
+    """The DistEnv of the current process group (init_distributed must have run)."""
+    if not dist.is_initialized():
+        raise RuntimeError("No process group yet: call minidist.runtime.distributed.init_distributed() first.")
+    if _env is not None:
+        return _env
+    # The group was built by someone else (dist.init_process_group by hand): describe it.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device, _ = device_and_backend(local_rank, None if dist.get_backend() == "nccl" else "cpu")
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank,
+                   int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device, dist.get_backend())
+
+
+def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
+    """A ``DeviceMesh`` of all ranks for FSDP2 and DCP, 1-D by default (HSDP's is 2-D: `parallel/mesh.py`);
+    made once per device type and shape, released by ``cleanup``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type, shape = get_env().device.type, shape or (dist.get_world_size(),)
+    if (device_type, shape) not in _meshes:  # every rank asks for the same meshes in the same order
+        _meshes[device_type, shape] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _meshes[device_type, shape]
+
+
+def cleanup() -> None:
+    """Leave the process group, if any, and destroy it for real (see "Leaving cleanly").
+
+    No barrier: a rank that fails must not wait here. After a run that finished, no collective is
+    outstanding: the strategies wait for every handle before a step ends."""
+    global _env
+    for mesh in _meshes.values():
+        mesh._pg_registry.clear()  # a private field: the mesh outlives us in DTensor's caches
+    _meshes.clear()
+    # A wrapped model that is garbage but sits in a reference cycle (hooks refer back to their
+    # module) still holds the group until the cycle collector runs: run it now, not at shutdown.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _env = None

@@ -1,0 +1,62 @@
+"""Metrics: what one optimizer step cost, in seconds, tokens and FLOPs (bytes: `memory/measure.py`).
+
+Training FLOPs per token, from Kaplan et al. 2020 ("Scaling Laws for Neural Language Models",
+section 2.1) and the Megatron-LM paper (Narayanan et al. 2021, appendix): a forward pass costs
+2 FLOPs per parameter per token (one multiply, one add), backward twice that, so 6P; attention
+over a context of T tokens adds 12·L·h·T (L layers, hidden size h). Model FLOPs utilisation
+(MFU, PaLM paper, Chowdhery et al. 2022, appendix B) is the share of the hardware's peak that
+those FLOPs represent: recomputation for activation checkpointing is not counted as useful work.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from minidist.runtime.errors import UsageError
+
+# Dense bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (without sparsity).
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: float) -> float:
+    return 6 * num_params + 12 * num_layers * hidden_size * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The bf16 peak of this GPU if we know it; None on the CPU or an unknown card."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+class MetricsLog:
+    """Append one JSON object per step to a file, flushed at once: a crash loses no step."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:  # a full disk: one line (rank 0 writes this; torchrun then ends the others)
+            raise UsageError(f"could not write {self.file.name}: {err.strerror}; free some space and run again "
+                             f"with --resume") from err
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def format_step(record: dict, max_steps: int) -> str:
+    line = (f"step {record['step']:>4}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"{record['step_time_s']:.2f} s | {record['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in record:
+        line += f" | MFU {record['mfu']:.1%}"
+    if record.get("peak_memory_bytes") is not None:
+        line += f" | peak {record['peak_memory_bytes'] / 1e6:,.1f} MB"
+    return line

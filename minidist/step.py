@@ -1,0 +1,52 @@
+"""One optimizer step, as lessons 03 and 09 teach it: the token-normalised loss, micro-batches, no_sync.
+
+The loop (`finetune.py`) calls `train_step` once per optimizer step; the memory tools
+(`memory/`), the benchmarks (`bench/`), the notebooks and the tests call the very same function,
+so what they measure is what trains.
+
+Why the loss is a *sum* divided by the global batch's target count, not a mean per micro-batch:
+chess games have different lengths, and averaging per micro-batch would weigh a token in a short
+batch more than one in a long batch, differently for every split of the batch across ranks and
+accumulation steps. Divided once by the whole global batch's count, every split computes the
+same gradient.
+"""
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+
+def lr_schedule(step: int, args) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak: a multiplier for LambdaLR."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
+    """The summed next-token cross-entropy of a micro-batch (not the mean: see module doc)."""
+    with strategy.autocast():
+        # use_cache=False: a key/value cache only helps generation; in training it is dead memory.
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    # Position t predicts token t+1; padding carries the label -100 and is ignored. The softmax
+    # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one step; return its summed loss."""
+    loss_sum = 0.0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        # Only the last micro-batch communicates; the others just add to the local gradients.
+        with nullcontext() if last else strategy.no_sync(model):
+            loss = token_loss_sum(model, batch, strategy)
+            # Strategies average gradients over ranks, so scale by world_size / global target count.
+            (loss * world_size / num_targets).backward()
+        loss_sum = loss_sum + loss.detach()  # stays on the device: no GPU sync per micro-batch
+    return loss_sum

@@ -1,0 +1,84 @@
+"""The benchmarks run, on a model small enough for CI, and print what they promise: step-time
+ratios with their spread over rounds, and whole-step peak memory ratios, against PyTorch's own;
+the GPU check (`gpu --smoke`) runs its code on the CPU and writes its table, trace and timeline.
+(No test asserts a time: ratios are for people to read, on the machine they care about.)"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--hidden_size", "64", "--num_layers", "2", "--batch_size", "2", "--seq_len", "16",
+         "--warmup", "1", "--steps", "2", "--rounds", "2"]
+
+
+@pytest.mark.parametrize("what,world,rows", [
+    ("fsdp", 1, ["FSDP (minidist)", "ZeRO-2 (minidist)", "fully_shard FSDP2 (torch)"]),
+    ("ddp", 2, ["naive DDP (minidist)", "bucketed DDP (minidist)", "DistributedDataParallel (torch)"]),
+])
+def test_the_strategy_bench_prints_time_and_peak_ratios(what, world, rows):
+    done = subprocess.run([sys.executable, "-m", "minidist.bench", what, "--world_size", str(world), *SMALL],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert f"on {world} x cpu (gloo)" in out and "vs torch (rounds)" in out and "peak" in out, out
+    for row in rows:
+        line = next(line for line in out.splitlines() if line.startswith(row))
+        assert line.count("x") >= 2 and " MB" in line, line  # a time ratio with its spread, a peak and its ratio
+    assert "goal: at most" in out and "Traceback" not in done.stderr
+    if what == "fsdp":
+        assert "minidist FSDP / FSDP2, peak" in out and "ZeRO-2 peak" in out
+
+
+EVERY_SETUP = ["torch/ddp", "minidist/ddp", "minidist/zero1", "minidist/zero2", "minidist/fsdp", "torch/fsdp"]
+RATIO = re.compile(r"\d+\.\d\dx")
+
+
+def test_the_gpu_check_runs_its_code_on_the_cpu_with_smoke(tmp_path):
+    out = tmp_path / "gpu_check"
+    done = subprocess.run([sys.executable, "-m", "minidist.bench", "gpu", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "torch " in lines[0] and "world size 1, gloo on cpu" in lines[1], lines[:2]
+    header = next(line for line in lines if line.startswith("| model |"))
+    assert "MFU" in header and "peak / estimate" in header and "step / torch's" in header, header
+    cells = {}
+    for line in lines:
+        if line.startswith("| Llama"):
+            row = [cell.strip() for cell in line.split("|")[1:-1]]
+            cells[row[1], row[2]] = row
+    assert set(cells) == {(setup, ckpt) for setup in EVERY_SETUP for ckpt in ("off", "on")}, sorted(cells)
+    for (setup, _), row in cells.items():
+        assert " ms (" in row[3] and row[5] == "", row  # a median with its spread; no MFU on a CPU
+        assert RATIO.fullmatch(row[8]), row  # the peak against the estimate
+        assert row[9] == "reference" if setup.startswith("torch/") else RATIO.fullmatch(row[9]), row
+    assert "CodeLlama-7b: skipped" in done.stdout
+    offload = [line.split("|")[1:-1] for line in lines if line.startswith("| minidist/") and "| o" in line]
+    assert [(r[0].strip(), r[1].strip()) for r in offload] == [(f"minidist/{s}", o) for s in ("zero2", "fsdp")
+                                                               for o in ("off", "on")]  # bench/offload.py's rows
+    assert all(" ms" in r[2] and RATIO.fullmatch(r[3].strip()) for r in offload), offload
+    assert (out / "table.md").read_text().count("| Llama") == 12
+    trace = out / "trace_minidist_fsdp.json"
+    assert trace.stat().st_size > 0 and json.loads(trace.read_text())["traceEvents"]
+    png = (out / "timeline_minidist_fsdp.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("case", ["no gpu", "out is a file"])
+def test_the_gpu_check_tells_a_mistake_in_one_line(tmp_path, case):
+    if case == "no gpu":  # hidden from the command (CUDA_VISIBLE_DEVICES below), so a GPU machine tests it too
+        args, said = ["--out", str(tmp_path)], "no CUDA GPU here: run with --smoke to check the command on CPU"
+    else:
+        (tmp_path / "file").write_text("")
+        args, said = ["--smoke", "--out", str(tmp_path / "file")], "cannot make the folder --out"
+    done = subprocess.run([sys.executable, "-m", "minidist.bench", "gpu", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout

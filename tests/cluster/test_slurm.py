@@ -1,0 +1,310 @@
+"""The SLURM scripts under a real SLURM: slurmctld, two slurmd and munge on this machine.
+
+`tests/cluster/slurm_cluster.py` starts the cluster; CPU ranks on gloo stand in for the GPUs that gres
+hands out. Every script in slurm/ runs through it with the tiny model, 2 steps and short
+sequences. The jobs are all queued at once, at the start of this module, and each test waits for
+its own: the cluster runs them side by side (each node has this machine's cores, one per job),
+which costs far less than one job after the other.
+
+What only a real SLURM shows, and these tests hold the scripts to:
+- sbatch runs a copy of the script from slurmd's spool folder: the jobs are submitted from a
+  folder outside the repository, with no PYTHONPATH, so the scripts must find it themselves;
+- srun no longer inherits --cpus-per-task (SLURM >= 22.05), visible in the cores it binds;
+- the warning signal comes from the controller's clock, and srun passes it to every process;
+- `scontrol requeue` ends the job at once and starts it again with the same id.
+
+Checks that need no cluster (bad variables, no SLURM at all) run the scripts with bash directly.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidist.chess.games import bundled_games
+
+ROOT = Path(__file__).resolve().parents[2]
+SLURM = ROOT / "slurm"
+SMALL = ["--max_seq_length", "48", "--eval_prefixes", "0"]  # short games, no evaluation
+FINETUNE_ARGS = ["--max_steps", "2", *SMALL, "--no_save"]
+# One CPU and two "GPUs" (CPU ranks) per job, instead of the scripts' 32 CPUs, 4 GPUs and the
+# whole node's memory, so that four jobs run at once on two nodes.
+SMALL_JOB = ["--cpus-per-task=1", "--gpus-per-node=2", "--mem=2G"]
+
+# Per lesson script: the lines its log must show and, where it is not a two-step fine-tune, the
+# arguments and environment it takes and whether it trains (then metrics.jsonl holds steps 1, 2).
+LESSONS = {
+    "00_memory": {"log": ["lesson 00: the memory estimate for this run", "peak per rank", "fits in 80.00 GB: yes",
+                          "torch/ddp on 2 x cpu", "step    2/2"]},
+    # Not a fine-tune: the all-reduce benchmark over three small message sizes (1, 8 and 64 KiB).
+    "01_collectives": {"args": ["--min_bytes", "1K", "--max_bytes", "64K", "--factor", "8", "--warmup", "1", "--iters", "2"],
+                       "env": {"OPS": "all_reduce"}, "trains": False,
+                       "log": ["lesson 01: collective bandwidth on 1 node(s) x 2 GPUs", "all_reduce on 2 x cpu (gloo)",
+                               "peak busbw"]},
+    "02_ddp": {"log": ["lesson 02: minidist/ddp (bucketed)", "minidist/ddp on 2 x cpu", "step    2/2"]},
+    "03_accumulation": {"log": ["lesson 03: total batch 8, 2 per device, the rest accumulated",
+                                "minidist/fsdp on 2 x cpu | global batch 8 = 2 x 2 ranks x 2 accumulation", "step    2/2"]},
+    "04_zero": {"log": ["lesson 04: minidist/zero2", "minidist/zero2 on 2 x cpu", "step    2/2"]},
+    "05_fsdp": {"log": ["lesson 05 (FSDP by hand)", "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "06_activation_checkpointing": {"log": ["lesson 06: minidist/fsdp with activation checkpointing",
+                                            "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "07_mixed_precision": {"log": ["lesson 07: minidist/fsdp, compute bf16, gradients reduced in fp32",
+                                   "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "08_checkpoints": {"args": FINETUNE_ARGS + ["--save_steps", "1"], "latest": "checkpoint-2",
+                       "log": ["lesson 08: sharded checkpoints", "torch/fsdp on 2 x cpu", "step    2/2"]},
+    "09_capstone": {"log": ["lesson 09 (capstone): torch/fsdp", "torch/fsdp on 2 x cpu", "step    2/2"]},
+    # Two nodes (its own #SBATCH --nodes=2) x 2 ranks, three runs in OUTPUT_DIR/fsdp, hsdp and hsdp-lora.
+    "10_multinode": {"trains": False, "log": ["lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA,"
+                                              " on 2 node(s)", "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
+                                              "LoRA r=16: training", "fsdp step 2: rank 0 sent",
+                                              "hsdp step 2: rank 0 sent", "hsdp-lora step 2: rank 0 sent"]},
+}
+LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
+
+
+class Jobs:
+    """The jobs of this module, queued together: name -> job id, log and output folder."""
+
+    def __init__(self, cluster, folder: Path, model: str):
+        self.cluster, self.folder, self.model = cluster, folder, model
+        self.ids, self.logs, self.outs = {}, {}, {}
+
+    def submit(self, name, script, *args, options=(), env=None, output_dir=None):
+        out = output_dir or self.folder / f"out-{name}"
+        variables = {
+            # the venv's python and torchrun; no PYTHONPATH: the scripts must find the repository
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "MODEL": self.model, "DATA": str(bundled_games("train")), "OUTPUT_DIR": str(out),
+            "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2", "HF_HUB_OFFLINE": "1", **(env or {}),
+        }
+        env_all = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | variables
+        # Submitted by a path relative to a folder outside the repository, as a learner might.
+        script = os.path.relpath(SLURM / script, self.folder)
+        job = self.cluster.sbatch(script, *args, options=[f"--job-name={name}", "--output=%x-%j.out", *options],
+                                  env=env_all, cwd=self.folder)
+        self.ids[name], self.outs[name] = job, out
+        self.logs[name] = self.folder / f"{name}-{job}.out"
+        return job
+
+    def wait(self, *names, timeout=900):
+        """Wait for these jobs; return (scontrol's record, log text) for each, in order."""
+        records = self.cluster.wait([self.ids[n] for n in names], timeout=timeout)
+        return [(records[self.ids[n]], self.logs[n].read_text(errors="replace") if self.logs[n].exists() else "")
+                for n in names]
+
+    def steps(self, name):
+        return [json.loads(line)["step"] for line in (self.outs[name] / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tiny_model, tmp_path_factory):
+    """Queue every job of this module at once; the tests wait for theirs."""
+    jobs = Jobs(slurm_cluster, tmp_path_factory.mktemp("submit"), tiny_model)
+    # Jobs that stop before any training, in a second: one line and exit status 2.
+    jobs.submit("no-gpus", "chess_finetune.sh", options=["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G"])
+    jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G"],
+                env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"})
+    # The time limit's own warning: 2 minutes, USR1 30 s before the end. slurmctld looks at its
+    # clock every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into a start.
+    # The ranks hold after step 3, the last, until it does (MINIDIST_PAUSE_AT, preemption.py), so
+    # the next start has only to load the checkpoint and finish. Queued first: it mostly waits.
+    jobs.submit("time-limit", "chess_finetune.sh", "--max_steps", "3", *SMALL, "--no_save",
+                options=[*SMALL_JOB, "--time=2", "--signal=B:USR1@30"], env={"MINIDIST_PAUSE_AT": "step:3"})
+    # One node, two CPUs for srun's task (a whole node here), evaluation, a checkpoint per step...
+    cpus = min(2, slurm_cluster.cpus_per_node)
+    one_node = jobs.submit("one-node", "chess_finetune.sh", "--max_steps", "2", "--max_seq_length", "48",
+                           "--eval_prefixes", "8", "--save_steps", "1",
+                           options=[f"--cpus-per-task={cpus}", "--gpus-per-node=2", "--mem=2G"])
+    # ...then, in the same folder, a job warned before its ranks even started: from checkpoint-2 on.
+    jobs.submit("early-warning", "chess_finetune.sh", "--max_steps", "4", *SMALL, "--no_save",
+                options=[*SMALL_JOB, f"--dependency=afterok:{one_node}"], output_dir=jobs.outs["one-node"])
+    slurm_cluster.signal_when(jobs.ids["early-warning"], jobs.logs["early-warning"], "(start 1)")
+    # Two nodes, one rank each, and a warning sent by hand while the ranks hold after step 3.
+    jobs.submit("preempted", "chess_finetune.sh", "--max_steps", "6", *SMALL, "--checkpoint_format", "full",
+                options=["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=1", "--mem=2G"],
+                env={"MINIDIST_PAUSE_AT": "step:3"})
+    slurm_cluster.signal_when(jobs.ids["preempted"], jobs.logs["preempted"], "paused at step 3")
+    for script in LESSON_SCRIPTS:
+        lesson = LESSONS.get(script.stem, {})
+        jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=SMALL_JOB,
+                    env=lesson.get("env"))
+    return jobs
+
+
+def starts(log: str) -> list[str]:
+    """The log of each start of a job (`--open-mode=append`: every start writes to one file)."""
+    return re.split(r"(?=^job \d+ \(start \d+\))", log, flags=re.M)[1:]
+
+
+@pytest.mark.parametrize("script", LESSON_SCRIPTS, ids=lambda p: p.stem)
+def test_every_lesson_script_runs_under_slurm(jobs, script):
+    lesson = LESSONS.get(script.stem, {})
+    [(record, log)] = jobs.wait(script.stem)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert "Traceback" not in log, log
+    for line in lesson.get("log", []):
+        assert line in log, f"{script.name}: expected {line!r} in its log:\n{log}"
+    if lesson.get("trains", True):
+        assert jobs.steps(script.stem) == [1, 2]
+    if "latest" in lesson:  # the checkpoint the next start would resume from
+        assert (jobs.outs[script.stem] / "latest").read_text() == lesson["latest"] + "\n"
+
+
+def test_the_two_node_lesson_sends_less_across_nodes_with_hsdp(jobs):
+    """slurm/10_multinode.sh on 2 nodes x 2 ranks: flat FSDP's ring crosses nodes on ranks 1 and 3,
+    which send all of theirs across; under HSDP every rank sends only its shard's all-reduce across,
+    and with LoRA only the adapters' shard crosses."""
+    [(record, log)] = jobs.wait("10_multinode")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    runs = {s: [json.loads(line) for line in (jobs.outs["10_multinode"] / s / "metrics.jsonl").read_text().splitlines()]
+            for s in ("fsdp", "hsdp", "hsdp-lora")}
+    assert [r["step"] for r in runs["fsdp"]] == [r["step"] for r in runs["hsdp"]] == [1, 2]
+    assert [r["step"] for r in runs["hsdp-lora"]] == [1, 2]
+    for flat, hybrid, lora in zip(runs["fsdp"], runs["hsdp"], runs["hsdp-lora"]):
+        assert flat["comm_bytes_across_nodes_by_rank"][0] == 0 < flat["comm_bytes_across_nodes_by_rank"][1]
+        assert len(set(hybrid["comm_bytes_across_nodes_by_rank"])) == 1
+        assert max(hybrid["comm_bytes_across_nodes_by_rank"]) < max(flat["comm_bytes_across_nodes_by_rank"])
+        assert len(set(lora["comm_bytes_across_nodes_by_rank"])) == 1
+        assert 0 < max(lora["comm_bytes_across_nodes_by_rank"]) < max(hybrid["comm_bytes_across_nodes_by_rank"]) / 10
+
+
+def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
+    [(record, log)] = jobs.wait("one-node")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    # 8 = 2 per device x 2 ranks x 2 accumulation steps, computed by the script.
+    assert "1 node(s) x 2 GPUs" in log and "total batch 8 = 2 x 2 x 2 accumulation" in log
+    assert "torch/fsdp on 2 x cpu" in log and "step    2/2" in log
+    assert "legal-move rate after training" in log
+    assert (jobs.outs["one-node"] / "model" / "config.json").exists()
+    # slurmd prints the cores it binds each task to: the batch shell's, then srun's one task.
+    # srun must get the job's --cpus-per-task (SLURM >= 22.05 no longer passes it on by itself).
+    masks = re.findall(r"cpu-bind=MASK - \S+, task +\d+ +\d+ \[\d+\]: mask (0x[0-9a-f]+) set", log)
+    cpus = int(record["NumCPUs"])
+    assert len(masks) >= 2 and [bin(int(m, 16)).count("1") for m in masks] == [cpus] * len(masks), log
+
+
+def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
+    """A warning sent by hand while both nodes' ranks hold after step 3: the batch shell passes it
+    to srun, which passes it to every process of the step on both nodes; they save checkpoint-3
+    together, the script requeues the job, and SLURM starts it again with the same id."""
+    [(record, log)] = jobs.wait("preempted")
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    first, second = starts(log)
+    head = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()[0]
+    assert f"2 node(s) x 1 GPUs, rendezvous {head}:" in first
+    # More than one node and no strategy asked for: hybrid sharding, one rank per copy here.
+    assert "2 nodes: hybrid sharding (--strategy hsdp)" in first and "torch/hsdp on 2 x cpu" in first
+    out = jobs.outs["preempted"]
+    assert "USR1: the time limit is near; asking the training to save and stop" in first
+    assert first.count("stopped by SIGUSR1 after step 3: saved") == 1, first
+    assert f"requeueing job {jobs.ids['preempted']}; the next start resumes from {out}/checkpoint-3" in first
+    assert "step    4/6" not in first
+    assert f"job {jobs.ids['preempted']} (start 2)" in second
+    assert f"resumed from {out / 'checkpoint-3'} at step 3" in second and "step    6/6" in second
+    assert jobs.steps("preempted") == [1, 2, 3, 4, 5, 6]
+    from transformers import AutoModelForCausalLM  # the full form: a Hugging Face folder
+    assert AutoModelForCausalLM.from_pretrained(out / "checkpoint-3" / "model").config.hidden_size == 64
+
+
+def test_the_time_limit_warning_stops_requeues_and_resumes(jobs):
+    """No scancel here: slurmctld itself sends USR1 before the 2-minute limit (`--signal=B:USR1@30`)."""
+    [(record, log)] = jobs.wait("time-limit")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert int(record["Restarts"]) >= 1, log
+    first, *later = starts(log)
+    assert "USR1: the time limit is near" in first
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d): saved (\S+);", first)
+    assert stopped, first
+    step, checkpoint = stopped.groups()
+    assert f"requeueing job {jobs.ids['time-limit']}; the next start resumes from {checkpoint}" in first
+    assert f"resumed from {checkpoint} at step {step}" in later[0]
+    assert jobs.steps("time-limit") == [1, 2, 3]
+
+
+def test_a_warning_as_a_start_begins_loses_nothing(jobs):
+    """The warning comes as the start begins (sent once "(start 1)" is logged). Wherever it lands,
+    nothing is lost and no step runs twice: before srun, the script requeues at once; before srun's
+    tasks started, srun drops it and the stop file stops the ranks after their first step, with a
+    checkpoint (a CI run landed there); before the ranks installed their handler, they die of it,
+    having trained nothing since checkpoint-2. The next start goes on from what this one left."""
+    (_, _), (record, log) = jobs.wait("one-node", "early-warning")
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    first, second = starts(log)
+    out = jobs.outs["early-warning"]
+    assert "USR1: the time limit is near" in first, first
+    resumes_from = re.search(r"the next start resumes from (\S+)", first).group(1)
+    stopped = re.search(r"stopped by .* after step (\d): saved (\S+);", first)
+    assert resumes_from == (stopped.group(2) if stopped else f"{out}/checkpoint-2"), first
+    step = resumes_from.rsplit("-", 1)[1]
+    assert f"resumed from {resumes_from} at step {step}" in second and "step    4/4" in second, second
+    assert jobs.steps("early-warning") == [1, 2, 3, 4]
+
+
+def test_jobs_sharing_a_node_get_their_own_rendezvous_port(jobs):
+    """A fixed port (29500) made a second job on the same head node fail or join the first one's
+    rendezvous store; the port comes from the job id."""
+    names = ["one-node", "preempted", "time-limit", "01_collectives", "02_ddp", "03_accumulation"]
+    ports = {}
+    for name, (_, log) in zip(names, jobs.wait(*names)):
+        port = int(re.search(r"rendezvous \S+:(\d+)", log).group(1))
+        assert port == 20000 + jobs.ids[name] % 10000
+        ports[name] = port
+    assert len(set(ports.values())) == len(names)
+
+
+def test_a_job_without_gpus_stops_with_one_line(jobs):
+    [(record, log)] = jobs.wait("no-gpus")
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
+    assert log.strip().splitlines()[-1].startswith(f"error: job {jobs.ids['no-gpus']} has no GPUs"), log
+    assert "Traceback" not in log and "line " not in log, log
+
+
+def test_sizes_that_do_not_divide_stop_the_job_with_one_line(jobs):
+    # --gres=gpu:2, the older way to ask for GPUs, counts as 2 GPUs too.
+    [(record, log)] = jobs.wait("not-divisible")
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
+    assert log.strip().splitlines()[-1] == (
+        "error: TOTAL_BATCH_SIZE=10 is not divisible by 2 GPUs x BATCH_SIZE_PER_DEVICE=4; pick sizes whose product divides it")
+
+
+# -- without a cluster: the scripts run with bash, as a learner might by mistake ---------------
+
+def run_script(script, **env):
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | env
+    return subprocess.run(["bash", str(SLURM / script)], env=variables, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script", ["chess_finetune.sh", "01_collectives.sh", "02_ddp.sh"])
+def test_outside_slurm_a_script_says_so_in_one_line(script):
+    done = run_script(script)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: this is a SLURM batch script and SLURM_JOB_ID is not set: submit it with sbatch "
+        "(on one machine, run torchrun -m minidist.finetune directly: see README.md)"]
+
+
+@pytest.mark.parametrize("name,value,least", [("TOTAL_BATCH_SIZE", "abc", 1), ("TOTAL_BATCH_SIZE", "0", 1),
+                                              ("BATCH_SIZE_PER_DEVICE", "2.5", 1), ("BATCH_SIZE_PER_DEVICE", "four", 1),
+                                              ("SAVE_STEPS", "-1", 0)])
+def test_a_bad_batch_variable_is_one_line(name, value, least):
+    done = run_script("chess_finetune.sh", **{name: value})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: {name}={value} must be a whole number of at least {least}"]
+
+
+def test_a_compressed_node_list_gives_its_first_node_as_the_rendezvous(slurm_cluster):
+    """SLURM writes node lists compressed ("gpu[01-04,07]"); the real `scontrol show hostnames`
+    expands them, and the first name is the head node. The two nodes here never compress, so the
+    list is given by hand to the scripts' own `read_allocation` (slurm/allocation.sh)."""
+    variables = {k: v for k, v in slurm_cluster.env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    variables |= {"SLURM_JOB_ID": "123", "SLURM_JOB_NUM_NODES": "5", "SLURM_JOB_NODELIST": "gpu[01-04,07]",
+                  "SLURM_GPUS_ON_NODE": "4"}
+    done = subprocess.run(["bash", "-c", f"source {SLURM / 'allocation.sh'}; read_allocation; "
+                           "echo $NNODES $GPUS_PER_NODE $HEAD_NODE $MASTER_PORT; scontrol show hostnames \"$SLURM_JOB_NODELIST\""],
+                          env=variables, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["5", "4", "gpu01", "20123", "gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]

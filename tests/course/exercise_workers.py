@@ -1,0 +1,743 @@
+"""The checks behind the self-checking exercises (`lessons/exercises/`), run in each rank by `launch`.
+
+`check(exercise, sources)` starts the exercise's ranks once and runs, in each, the exercise's
+check on every source in turn: a path to a learner's file (a copy of a skeleton), or "minidist"
+for minidist's own implementation under the skeleton's names. Each check runs the source inside
+minidist's own classes and compares with what does not depend on the file being checked: the
+library's all-reduce (01), a plain copy of the model whose gradients the library averages (02,
+04 in fp32), one process on the whole global batch (03), the unsharded model's loss (05); and with
+minidist's own implementation beside it where only it knows the answer (ZeRO's bf16 step, FSDP's
+gradient shards and bytes). It also watches what a right answer must do besides the numbers: the
+bytes sent, when a bucket's all-reduce starts, how much gathered memory stays alive. What
+differs comes back in words: which rank, which tensor, expected and got, and a hint at the usual
+mistake. An exception raised by the source becomes such a sentence too, with the line of the
+learner's file it came from.
+
+Every rank runs every collective of a check whatever it finds (problems are collected, never
+returned early), so that the ranks stay in step from one source to the next. A source that
+raises on some ranks only can still leave the others waiting in a collective; the learner's
+command checks one source per launch, where `launch` ends that cleanly.
+"""
+
+import ast
+import importlib.util
+import os
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from minidist.parallel import comm
+
+ROOT = Path(__file__).resolve().parents[2]
+SKELETONS = ROOT / "lessons" / "exercises"
+# exercise -> (ranks, what the check runs, the names a source must define)
+EXERCISES = {
+    "01_ring_all_reduce": (3, "the ring all-reduce on 3 gloo ranks", ("ring_all_reduce",)),
+    "02_bucket_hook": (2, "bucketed DDP's gradient hook on 2 gloo ranks", ("BucketedDDP",)),
+    "03_accumulation": (2, "train_step with 3 micro-batches on 2 gloo ranks", ("train_step",)),
+    "04_zero2_step": (2, "ZeRO-2's step on 2 gloo ranks, fp32 and bf16", ("ShardedOptimizer",)),
+    "05_fsdp_gather_free": (2, "FSDP's gather and free on 2 gloo ranks", ("Unit",)),
+}
+
+
+class CheckError(Exception):
+    """A check cannot run the source at all (a name missing): said in one line."""
+
+
+def skeleton(exercise: str) -> Path:
+    return SKELETONS / f"{exercise}.py"
+
+
+def exercise_of(path: Path) -> str:
+    """Which exercise a learner's file answers: its `EXERCISE = "..."` line (read, not run), or
+    the lesson number its name starts with."""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError) as e:
+        raise CheckError(f"{path}: cannot read it as Python ({e})") from None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXERCISE" for t in node.targets)
+                and isinstance(node.value, ast.Constant) and node.value.value in EXERCISES):
+            return node.value.value
+    for name in EXERCISES:
+        if path.name.startswith(name[:3]):
+            return name
+    raise CheckError(f"{path}: no EXERCISE = \"...\" line and no lesson number (01_ to 05_) in its name: keep the "
+                     "skeleton's EXERCISE line")
+
+
+# ---------------------------------------------------------------------------------- the parent's side
+def check(exercise: str, sources: list[str], timeout_s: float = 240) -> list[str | None]:
+    """Run `exercise`'s check on each source (in one launch); per source None (it passes) or the
+    message that says why not."""
+    from minidist.runtime.launch import RankFailed, launch
+
+    world, _, _ = EXERCISES[exercise]
+    sources = [s if s == "minidist" else str(Path(s).resolve()) for s in sources]
+    # A rank stuck in a collective that its peer never joins fails after a minute, not the default half hour.
+    with mock.patch.dict(os.environ, MINIDIST_TIMEOUT_S="60"):
+        try:
+            per_rank = launch(run_checks, world, exercise, sources, timeout_s=timeout_s)
+        except RankFailed as e:  # the check itself broke (not the learner's code, which is caught in the rank)
+            return [f"the check failed on rank {e.rank}:\n{e.traceback}"] * len(sources)
+        except TimeoutError:
+            return [f"no answer after {timeout_s} s: a rank is stuck, most likely in a send or a collective its "
+                    "neighbour never joins (a round where one rank sends and the other does not receive)"] * len(sources)
+    return [_verdict([ranks[i] for ranks in per_rank]) for i in range(len(sources))]
+
+
+def _verdict(by_rank: list[dict]) -> str | None:
+    """The first problems, each with its rank, one of each kind, and how many more there were. A
+    rank that raised comes first, the earliest first: its peers' errors ("connection closed") follow from it."""
+    order = sorted(range(len(by_rank)), key=lambda r: (by_rank[r]["raised_at"] is None, by_rank[r]["raised_at"] or 0, r))
+    problems = [f"rank {rank}: {p}" for rank in order for p in by_rank[rank]["problems"]]
+    if not problems:
+        return None
+    seen, shown, repeats = set(), [], 0
+    for p in problems:  # one of each kind (the same hint, or the same sentence on another rank)
+        key = p.split("Hint: ", 1)[1] if "Hint: " in p else p.split(": ", 1)[1]
+        if key in seen:
+            repeats += 1
+        elif len(shown) < 3:
+            seen.add(key)
+            shown.append(p)
+    others = len(problems) - len(shown) - repeats
+    more = [f"{repeats} more of the same kinds" if repeats else "", f"{others} more of other kinds" if others else ""]
+    more = "; ".join(m for m in more if m)
+    return "\n".join(shown) + (f"\n({more}, on this rank or others)" if more else "")
+
+
+# ---------------------------------------------------------------------------------- in each rank
+def run_checks(exercise: str, sources: list[str]) -> list[dict]:
+    """Each rank: the problems found with each source (none: it passes), and when it raised, if it did."""
+    import time
+    import warnings
+
+    # minidist's comm.all_gather calls all_gather_into_tensor, which torch 2.13 calls deprecated: a
+    # warning about minidist, not about the learner's code, that would sit under every failed check.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    out = []
+    for i, source in enumerate(sources):
+        comm.counter.reset()
+        try:
+            out.append({"problems": CHECKS[exercise](lambda: load(exercise, source, i)), "raised_at": None})
+        except CheckError as e:
+            out.append({"problems": [str(e)], "raised_at": None})
+        except Exception as e:  # the learner's code raised: say where, in their file
+            out.append({"problems": [describe(e, source, HINTS.get(exercise, ()))], "raised_at": time.time()})
+    return out
+
+
+def load(exercise: str, source: str, index: int) -> SimpleNamespace:
+    """The source's names: minidist's own implementation ("minidist"), or a learner's file, run fresh."""
+    names = EXERCISES[exercise][2]
+    if source == "minidist":
+        return SimpleNamespace(**{name: _own(name) for name in names})
+    spec = importlib.util.spec_from_file_location(f"exercise_source_{index}", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in names:
+        if not hasattr(module, name):
+            raise CheckError(f"{source} defines no {name}: keep the skeleton's names")
+    return module
+
+
+def _own(name: str):
+    """minidist's implementation of what the skeleton names `name` (imported only when asked for:
+    the training loop's module pulls in transformers)."""
+    if name == "ring_all_reduce":
+        return comm.ring_all_reduce
+    if name == "BucketedDDP":
+        from minidist.parallel.ddp import BucketedDDP
+        return BucketedDDP
+    if name == "train_step":
+        from minidist.step import train_step
+        return train_step
+    if name == "ShardedOptimizer":
+        from minidist.parallel.zero import ShardedOptimizer
+        return ShardedOptimizer
+    from minidist.parallel.fsdp import Unit
+    return Unit
+
+
+def describe(error: Exception, source: str, hints) -> str:
+    """An exception as one sentence: its type and message, the line of the learner's file it came
+    from (else the last line it passed), and a hint where its text is a known mistake."""
+    frames = traceback.extract_tb(error.__traceback__)
+    theirs = [f for f in frames if source != "minidist" and Path(f.filename) == Path(source)]
+    frame = (theirs or frames)[-1]
+    where = f"{_short(frame.filename)}, line {frame.lineno}: {(frame.line or '').strip()}"
+    text = f"{type(error).__name__}: {error}"
+    message = f"raised {text.splitlines()[0] if text.strip() else type(error).__name__} (at {where})"
+    if isinstance(error, NotImplementedError):
+        return message + ". Hint: this is the skeleton's blank; write the code its docstring describes."
+    for fragment, hint in [*hints, *ANY_EXERCISE]:
+        if fragment in text:
+            return f"{message}. Hint: {hint}"
+    return message
+
+
+def _short(filename: str) -> str:
+    path = Path(filename)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, rtol=1e-5, atol=1e-6) -> bool:
+    return got.shape == expected.shape and torch.allclose(got.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
+    """'element k: expected e, got g' at the largest difference."""
+    if got.shape != expected.shape:
+        return f"shape {tuple(got.shape)} where {tuple(expected.shape)} was expected"
+    diff = (got.double() - expected.double()).abs().reshape(-1)
+    k = int(diff.argmax())
+    return f"element {k}: expected {expected.reshape(-1)[k].item():.6g}, got {got.reshape(-1)[k].item():.6g}"
+
+
+def _ratio(got: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """The factor s with got = s x expected, if there is one (to 1e-4), else None."""
+    g, e = got.double().reshape(-1), expected.double().reshape(-1)
+    if float(e @ e) == 0:
+        return None
+    s = float(g @ e / (e @ e))
+    return s if float((g - s * e).norm()) <= 1e-4 * float((s * e).norm()) + 1e-12 else None
+
+
+# ---------------------------------------------------------------------------------- 01: the ring
+RING_CASES = [(torch.float32, (7,)), (torch.float32, (1,)), (torch.float64, (3, 4)), (torch.int64, (12,)),
+              (torch.float32, (1000,))]
+LIBRARY_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
+                       "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single")
+
+
+@contextmanager
+def point_to_point_only(sent: list):
+    """The library's collectives refuse (this exercise builds one); every send is counted in `sent`."""
+    def refuse(name):
+        def collective(*args, **kwargs):
+            raise RuntimeError(f"torch.distributed.{name} was called: this exercise builds the all-reduce from "
+                               "sends and receives between neighbours (dist.isend, dist.irecv), no library collective")
+        return collective
+
+    def counted(send):
+        def wrapper(tensor, *args, **kwargs):
+            sent.append(tensor.numel() * tensor.element_size())
+            return send(tensor, *args, **kwargs)
+        return wrapper
+
+    # Patched where the library looks them up too: batch_isend_irecv checks `op.op is isend`
+    # against distributed_c10d's own name, so a P2POp(dist.isend, ...) must find the same function there.
+    from torch.distributed import distributed_c10d as c10d
+
+    patches = [mock.patch.object(dist, name, refuse(name)) for name in LIBRARY_COLLECTIVES]
+    for name in ("isend", "send"):
+        wrapper = counted(getattr(dist, name))
+        patches += [mock.patch.object(dist, name, wrapper), mock.patch.object(c10d, name, wrapper)]
+    for p in patches:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in reversed(patches):
+            p.stop()
+
+
+def check_ring(load_solution) -> list[str]:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    cases = []
+    for k, (dtype, shape) in enumerate(RING_CASES):
+        g = torch.Generator().manual_seed(100 * k + rank)
+        x = (torch.randint(-1000, 1000, shape, generator=g) if dtype == torch.int64
+             else torch.randn(shape, generator=g, dtype=dtype))
+        expected, magnitude = x.clone(), x.abs().double()
+        dist.all_reduce(expected)  # the library's answer, before the library is put away
+        dist.all_reduce(magnitude)
+        cases.append((x, expected, magnitude))
+    problems, sent = [], []
+    with point_to_point_only(sent):
+        ring = load_solution().ring_all_reduce  # loaded here: an `from torch.distributed import isend` sees the counter
+        for x, expected, magnitude in cases:
+            name = f"{x.dtype} tensor of shape {tuple(x.shape)}"
+            mine, before = x.clone(), len(sent)
+            returned = ring(mine)
+            problems += _ring_problems(name, x, mine, returned, expected, magnitude, n, rank)
+            nbytes = x.numel() * x.element_size()
+            got, low, high = sum(sent[before:]), 2 * (n - 1) * (x.numel() // n), 2 * (n - 1) * -(-x.numel() // n)
+            if not low * x.element_size() <= got <= high * x.element_size():
+                problems.append(f"{name}: sent {got} bytes, a ring sends 2(N-1)/N x {nbytes} = "
+                                f"{2 * (n - 1) * nbytes / n:.0f} bytes (2(N-1) = {2 * (n - 1)} chunks of about 1/N "
+                                "each). Hint: one chunk per round to the right neighbour, 2(N-1) rounds; sending the "
+                                "whole tensor to every rank gets the sum with (N-1) x the bytes")
+    return problems
+
+
+def _ring_problems(name, x, mine, returned, expected, magnitude, n, rank) -> list[str]:
+    if x.dtype.is_floating_point:  # the ring adds in its own order: the last bits may differ (lesson 01)
+        bound = 2 * (n - 1) * torch.finfo(x.dtype).eps * magnitude + 1e-30
+        right = lambda got, exp, b: bool(((got.double() - exp.double()).abs() <= b).all())  # noqa: E731
+    else:
+        bound = magnitude
+        right = lambda got, exp, b: bool(torch.equal(got, exp))  # noqa: E731
+    if right(mine, expected, bound):
+        if returned is not None and returned is not mine:
+            return [f"{name}: returned a new tensor; return `tensor` itself (the one that holds the sum)"]
+        return []
+    if isinstance(returned, torch.Tensor) and returned.shape == x.shape and right(returned, expected, bound):
+        return [f"{name}: the sum came back in a new tensor, but `tensor` itself does not hold it "
+                f"({_first_difference(mine, expected)}). Hint: work in place on views of tensor.view(-1), as "
+                "torch.tensor_split gives them, and return tensor"]
+    if torch.equal(mine, x):
+        return [f"{name}: the tensor is unchanged ({_first_difference(mine, expected)}). Hint: add what you "
+                "receive into your own chunk (reduce-scatter), then copy the finished chunks in (all-gather)"]
+    if x.dtype.is_floating_point and right(mine * n, expected, bound * n):
+        return [f"{name}: this is the average over ranks, not the sum. Hint: the all-reduce sums; DDP divides "
+                "elsewhere"]
+    flat, want, b = mine.reshape(-1), expected.reshape(-1), bound.reshape(-1)
+    pieces = [(c, e, bb) for c, e, bb in zip(torch.tensor_split(flat, n), torch.tensor_split(want, n),
+                                              torch.tensor_split(b, n))]
+    done = [k for k, (c, e, bb) in enumerate(pieces) if c.numel() and right(c, e, bb)]
+    if len(done) == 1 and sum(c.numel() > 0 for c, _, _ in pieces) > 1:
+        return [f"{name}: only chunk {done[0]} of {n} holds the sum over ranks ({_first_difference(mine, expected)}). "
+                "Hint: that is where the reduce-scatter phase ends; then the all-gather phase passes the finished chunks "
+                "around the ring for N-1 more rounds, copying what arrives over your chunk, not adding it"]
+    return [f"{name}: {_first_difference(mine, expected)} (the sum over ranks; chunks right: {done or 'none'}). "
+            f"Hint: in reduce-scatter round s rank r sends chunk (r - s) % N and adds what it receives into chunk "
+            "(r - s - 1) % N; in all-gather round s it sends chunk (r + 1 - s) % N and copies what it receives into "
+            "chunk (r - s) % N"]
+
+
+# ---------------------------------------------------------------------------------- the small models
+class Block(nn.Module):
+    """A residual layer: FSDP's unit class in exercise 05."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.tanh(self.linear(h))
+
+
+class ToyNet(nn.Module):
+    """4 -> 9 -> 3 blocks -> 3: 354 parameters in 10 tensors, small and quick on CPU ranks."""
+
+    def __init__(self, seed: int = 0):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.inp = nn.Linear(4, 9)
+        self.blocks = nn.ModuleList(Block(9) for _ in range(3))
+        self.out = nn.Linear(9, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+# 100 fp32 elements per bucket: ToyNet's 10 tensors pack into 5 buckets of 39, 90, 90, 90 and 36
+BUCKET_CAP_MB = 400 / 2**20
+
+
+def toy_batch(rank: int, step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 4, generator=g).to(dtype), torch.randn(6, 3, generator=g)
+
+
+def toy_loss(model, x, y):
+    return ((model(x).float() - y) ** 2).sum()
+
+
+# ---------------------------------------------------------------------------------- 02: the bucket hook
+def check_bucket_hook(load_solution) -> list[str]:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    theirs = load_solution().BucketedDDP
+
+    class Watched(theirs):
+        """Their hook, with what it saw recorded: the order gradients arrived, each local gradient."""
+
+        def _on_grad_ready(self, param):
+            self.seen.append(id(param))
+            self.local[id(param)] = param.grad.detach().clone()
+            self.current = id(param)
+            super()._on_grad_ready(param)
+
+    plain = ToyNet()  # the expected gradients: this copy's, averaged over ranks by the library
+    model = Watched(ToyNet(), bucket_cap_mb=BUCKET_CAP_MB)
+    names = {id(p): name for name, p in model.module.named_parameters()}
+    problems = []
+    for step in range(2):
+        x, y = toy_batch(rank, step)
+        toy_loss(plain, x, y).backward()
+        for q in plain.parameters():
+            dist.all_reduce(q.grad)
+            q.grad /= n
+        model.seen, model.local, launches = [], {}, []
+        real_all_reduce = comm.all_reduce
+
+        def recorded(tensor, group=None, async_op=False):
+            # Which bucket: the one whose buffer is sent, else (a copy or a cast of it is sent) the
+            # bucket of the gradient whose hook is running.
+            b = next((b for b, bucket in enumerate(model.buckets) if bucket.buffer.data_ptr() == tensor.data_ptr()),
+                     model._bucket_of[model.current][0])
+            launches.append((b, len(model.seen), tensor.detach().clone(), async_op))
+            return real_all_reduce(tensor, group=group, async_op=async_op)
+
+        with mock.patch.object(comm, "all_reduce", recorded):
+            toy_loss(model, x, y).backward()
+        found = _launch_problems(model, launches, names, n, step)
+        for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+            found += _gradient_problem(f"step {step + 1}, gradient of {name!r}", p.grad, q.grad, n,
+                                       model.local.get(id(p)))[:1]
+            if len(found) and found[-1].startswith(f"step {step + 1}, gradient"):
+                break  # the first parameter that is wrong says it
+        problems = problems or found  # the first step with problems (the ranks still run both)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+    return problems
+
+
+def _launch_problems(model, launches, names, n, step) -> list[str]:
+    """When each bucket's all-reduce started, and what it held."""
+    out, where = [], f"step {step + 1}"
+    position = {pid: k + 1 for k, pid in enumerate(model.seen)}  # gradient k of the backward (1-based)
+    for b, bucket in enumerate(model.buckets):
+        full_at = max(position.get(id(p), 0) for p in bucket.params)
+        mine = [launch[1:] for launch in launches if launch[0] == b]
+        label = f"{where}, bucket {b} ({', '.join(repr(names[id(p)]) for p in bucket.params)})"
+        if not mine:
+            out.append(f"{label}: its buffer was never all-reduced. Hint: when the bucket is full, launch "
+                       "comm.all_reduce(bucket.sent, ..., async_op=True) on bucket.sent = bucket.buffer")
+            continue
+        at, sent, async_op = mine[0]
+        if len(mine) > 1 and at >= full_at:
+            out.append(f"{label}: all-reduced {len(mine)} times in one backward. Hint: once per backward, when "
+                       "bucket.pending reaches 0")
+        if at < full_at:
+            out.append(f"{label}: its all-reduce started after gradient {at} of the backward, but the bucket was "
+                       f"full only after gradient {full_at}: it fired before the bucket was full. Hint: launch when "
+                       "bucket.pending, counted down once per gradient, reaches 0")
+        elif at > full_at:
+            out.append(f"{label}: full after gradient {full_at} of the backward, its all-reduce started only after "
+                       f"gradient {at}. Hint: launch it as soon as it is full, so that it overlaps the rest of "
+                       "backward (launching every bucket at the end is the naive DDP)")
+        if not async_op:
+            out.append(f"{label}: launched with async_op=False, so backward waited for it. Hint: async_op=True, and "
+                       "keep the handle in bucket.handle (_finish waits for it)")
+        for p, offset in zip(bucket.params, bucket.offsets):
+            local = model.local.get(id(p))
+            if local is None or position.get(id(p), 0) > at:
+                continue  # not arrived yet when it was sent: reported above
+            piece = sent[offset:offset + p.numel()].view_as(local)
+            if _close(piece, local / n):
+                continue
+            if _close(piece, local):
+                out.append(f"{label}: sent {names[id(p)]!r}'s gradient without dividing by world_size ({n}). Hint: "
+                           "divide the bucket by self.world_size before its all-reduce: the sum of the ranks' "
+                           "averages is the average")
+            else:
+                out.append(f"{label}: when its all-reduce started, the slice of {names[id(p)]!r} did not hold its "
+                           f"gradient ({_first_difference(piece, local / n)}, as the gradient / world_size). Hint: "
+                           "copy each gradient into its slice before launching")
+            break  # one sentence per bucket
+    return out
+
+
+def _gradient_problem(label, got, expected, n, local=None) -> list[str]:
+    if got is None:
+        return [f"{label}: param.grad is None after backward. Hint: call self._finish() when self.count.add(param) "
+                "says this was the backward's last gradient"]
+    if _close(got, expected):
+        return []
+    s = _ratio(got, expected)
+    if s is not None and abs(s - n) < 1e-3:
+        return [f"{label}: {n} x the expected ({_first_difference(got, expected)}). Hint: divide by world_size: "
+                "the all-reduce sums over ranks, DDP wants the average"]
+    if local is not None and _close(got, local):
+        return [f"{label}: still this rank's own gradient ({_first_difference(got, expected)}, the average over "
+                "ranks). Hint: the bucket's all-reduce must have run, and _finish waited for it"]
+    return [f"{label}: {_first_difference(got, expected)}"]
+
+
+# ---------------------------------------------------------------------------------- 03: accumulation
+class TinyLM(nn.Module):
+    """A language model small enough to be instant: embedding, one residual layer, output head.
+    Called as a Hugging Face model is (`model(input_ids=..., ...).logits`), so `token_loss_sum` runs on it."""
+
+    def __init__(self, vocab: int = 13, width: int = 8):
+        torch.manual_seed(0)
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        h = self.embed(input_ids)
+        return SimpleNamespace(logits=self.head(h + torch.tanh(self.mix(h))))
+
+
+MICRO_BATCHES, PER_MICRO_BATCH = 3, 2
+
+
+def token_batches(world_size: int):
+    """The global batch (sequences of 3 to 9 tokens, different lengths) cut into micro-batches as
+    `data.GlobalBatchSampler.micro_batches` cuts it: rank r gets micro-batches a x N + r."""
+    g = torch.Generator().manual_seed(7)
+    count = MICRO_BATCHES * PER_MICRO_BATCH * world_size
+    sequences = [torch.randint(0, 13, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g)
+                 for _ in range(count)]
+
+    def pad(seqs):
+        width = max(len(q) for q in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, q in enumerate(seqs):
+            ids[row, :len(q)], mask[row, :len(q)] = q, 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    micro = [pad(sequences[m * PER_MICRO_BATCH:(m + 1) * PER_MICRO_BATCH]) for m in range(len(sequences) // PER_MICRO_BATCH)]
+    by_rank = [[micro[a * world_size + r] for a in range(MICRO_BATCHES)] for r in range(world_size)]
+    return sequences, by_rank, pad(sequences)
+
+
+def summed_token_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def check_accumulation(load_solution) -> list[str]:
+    from minidist.runtime.distributed import get_env
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import MinidistDDP
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    train_step = load_solution().train_step
+    sequences, by_rank, whole = token_batches(n)
+    num_targets = sum(len(q) - 1 for q in sequences)
+    # What it must equal: one process, the whole global batch, each token weighing 1/num_targets.
+    single = TinyLM()
+    (summed_token_loss(single, whole) / num_targets).backward()
+    mine = by_rank[rank]
+    with torch.no_grad():
+        my_loss = float(sum(summed_token_loss(single, b) for b in mine))
+
+    strategy = MinidistDDP(ParallelOptions(strategy="ddp", impl="minidist", bucket_cap_mb=BUCKET_CAP_MB), get_env())
+    model = strategy.wrap(TinyLM())
+    forwards, backwards = [], []
+    model.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+    model.module.head.bias.register_post_accumulate_grad_hook(lambda _: backwards.append(1))
+    comm.counter.reset()
+    returned = train_step(model, strategy, mine, num_targets, n)
+    sent = comm.counter.take()
+    problems = []
+    params = sum(p.numel() for p in model.module.parameters())
+    one = 2 * params * (n - 1) / n * 4  # one all-reduce of the fp32 gradients
+    k = len(mine)
+    if len(forwards) != k or len(backwards) != k:
+        problems.append(f"{len(forwards)} forward and {len(backwards)} backward passes for {k} micro-batches. Hint: "
+                        "one forward and one backward per micro-batch: each backward frees its micro-batch's "
+                        "activations, while a single backward of the summed losses keeps all of them alive at once")
+    if sent == 0:
+        problems.append(f"sent nothing in the step; one all-reduce of the gradients was expected ({one:.0f} bytes). "
+                        "Hint: the last micro-batch runs outside no_sync: its backward all-reduces the sum")
+    elif abs(sent - one) > 0.5:
+        times = f" ({sent / one:.2g} all-reduces)" if abs(sent / one - round(sent / one)) < 1e-9 else ""
+        problems.append(f"sent {sent:.0f} bytes in a step of {k} micro-batches{times}; one all-reduce of the gradients, "
+                        f"{one:.0f} bytes, was expected. Hint: every micro-batch but the last runs inside "
+                        "`with strategy.no_sync(model):`, so that only the last backward communicates")
+    got = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                     for p in model.module.parameters()])
+    want = torch.cat([p.grad.reshape(-1) for p in single.parameters()])
+    if not _close(got, want, rtol=1e-4, atol=1e-6):
+        s = _ratio(got, want)
+        where = _first_difference(got, want)
+        if s is not None and abs(s * n - 1) < 1e-3:
+            problems.append(f"the gradients are 1/{n} of the whole batch's ({where}). Hint: the wrapper averages over "
+                            "the ranks (divides by world_size): scale each loss by world_size / num_targets")
+        elif s is not None:
+            problems.append(f"the gradients are {s:.4g} x the whole batch's ({where}). Hint: each micro-batch's summed "
+                            "loss times world_size / num_targets")
+        else:
+            problems.append(f"the gradients are not the whole global batch's, and not by one factor ({where}; the "
+                            "flattened gradients of all parameters). Hint: tokens weigh unequally: the mean per "
+                            "micro-batch weighs a token of a short micro-batch more; sum the token losses "
+                            "(token_loss_sum) and divide by num_targets, the whole global batch's target count")
+    value = float(returned) if isinstance(returned, (torch.Tensor, float, int)) else None
+    if value is None or abs(value - my_loss) > 1e-4 * abs(my_loss):
+        problems.append(f"train_step returned {returned!r}; it returns the summed token loss of this rank's "
+                        f"micro-batches, unscaled: {my_loss:.6g} (the loop logs it)")
+    return problems
+
+
+# ---------------------------------------------------------------------------------- 04: ZeRO-2's step
+def check_zero2_step(load_solution) -> list[str]:
+    from minidist.parallel.options import ADAMW_OPTIONS
+    from minidist.parallel.precision import MixedPrecision
+    from minidist.parallel.zero import ShardedOptimizer, ZeroDP
+
+    rank = dist.get_rank()
+    theirs = load_solution().ShardedOptimizer
+    problems = []
+    for dtype in (torch.float32, torch.bfloat16):
+        mp, found = MixedPrecision(param_dtype=dtype), []
+        reference = ZeroDP(ToyNet(), 2, mp, BUCKET_CAP_MB)
+        model = ZeroDP(ToyNet(), 2, mp, BUCKET_CAP_MB)
+        options = dict(lr=0.05, weight_decay=0.1, **ADAMW_OPTIONS)
+        ref_opt = ShardedOptimizer(reference.buckets, torch.optim.AdamW, reference.group, **options)
+        opt = theirs(model.buckets, torch.optim.AdamW, model.group, **options)
+        plain = ToyNet()  # fp32: what ZeRO must equal, AdamW on every weight with the averaged gradient
+        plain_opt = torch.optim.AdamW(plain.parameters(), **options)
+        for step in range(3):
+            x, y = toy_batch(rank, step, dtype)
+            toy_loss(reference, x, y).backward()
+            toy_loss(model, x, y).backward()
+            toy_loss(plain, x.float(), y).backward()
+            for q in plain.parameters():
+                dist.all_reduce(q.grad)
+                q.grad /= dist.get_world_size()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            before = [b.weights.detach().clone() for b in model.buckets]
+            comm.counter.reset()
+            ref_opt.step()
+            ref_bytes = comm.counter.take()
+            opt.step()
+            sent = comm.counter.take()
+            where = f"{str(dtype)[6:]}, step {step + 1}"
+            if abs(sent - ref_bytes) > 0.5:
+                found.append(f"{where}: the step sent {sent:.0f} bytes; minidist's sends {ref_bytes:.0f}, one "
+                             "all-gather of each bucket's weights ((N-1)/N of them). Hint: after stepping, "
+                             "comm.all_gather(bucket.weights, my_shard.clone(), group=self.group) for each bucket")
+            for b, (bucket, ref_bucket, old) in enumerate(zip(model.buckets, reference.buckets, before)):
+                found += _zero_bucket_problems(f"{where}, bucket {b}", bucket, ref_bucket, old, rank)[:1]
+                first = bucket.weights.detach().clone()
+                dist.broadcast(first, 0)  # every rank must hold the same weights after a step
+                if not torch.equal(first, bucket.weights.detach()):
+                    found.append(f"{where}, bucket {b}: this rank's weights differ from rank 0's "
+                                 f"({_first_difference(bucket.weights.detach(), first)}, rank 0's). Hint: the ranks "
+                                 "drift apart unless every rank all-gathers everyone's updated shard")
+            if dtype == torch.float32:
+                for (name, q), want in zip(model.module.named_parameters(), plain.parameters()):
+                    if not _close(q.detach(), want.detach(), rtol=1e-4, atol=1e-6):
+                        found.append(f"{where}: {name!r} is not what AdamW on the averaged gradient gives in one "
+                                     f"process ({_first_difference(q.detach(), want.detach())}). Hint: each master gets "
+                                     "its shard's gradient, the inner AdamW steps, then every rank all-gathers")
+                        break
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        problems = problems or found[:3]  # fp32's problems first; bf16's where fp32 had none
+    return problems
+
+
+def _zero_bucket_problems(label, bucket, ref_bucket, old, rank) -> list[str]:
+    out, layout = [], bucket.layout
+    if not _close(bucket.master.detach(), ref_bucket.master.detach()):
+        out.append(f"{label}: the fp32 master of this rank's shard is not AdamW's step "
+                   f"({_first_difference(bucket.master.detach(), ref_bucket.master.detach())}). Hint: "
+                   "bucket.master.grad = bucket.own_gradient() as fp32, then self.optimizer.step()")
+    weights, expected = bucket.weights.detach(), ref_bucket.weights.detach()
+    for q in range(layout.padded_numel // layout.shard_numel):
+        lo, hi = q * layout.shard_numel, min((q + 1) * layout.shard_numel, layout.numel)
+        if lo >= hi or _close(weights[lo:hi], expected[lo:hi]):
+            continue
+        span = f"{label}, elements [{lo}, {hi}) of its flat weights ({'this rank' if q == rank else f'rank {q}'}'s shard)"
+        stale = torch.equal(weights[lo:hi], old[lo:hi])
+        if q == rank and stale:
+            out.append(f"{span}: unchanged by the step. Hint: copy the updated master into "
+                       "bucket.weights[bucket.layout.shard_slice] before the all-gather (in bf16 the master is a "
+                       "separate fp32 tensor; in fp32 it is a view, which is why fp32 may pass)")
+        elif stale:
+            out.append(f"{span}: unchanged by the step on this rank, while rank {q} updated it. Hint: all-gather "
+                       "every rank's updated shard into bucket.weights after the step")
+        else:
+            out.append(f"{span}: {_first_difference(weights[lo:hi], expected[lo:hi])}. Hint: after the step each "
+                       "shard of the weights holds its own rank's updated master: step first, then all-gather")
+    return out
+
+
+# ---------------------------------------------------------------------------------- 05: FSDP's gather and free
+def check_fsdp_gather_free(load_solution) -> list[str]:
+    from minidist.parallel import fsdp
+
+    rank = dist.get_rank()
+    theirs = load_solution().Unit
+    reference = fsdp.FullyShardedDataParallel(ToyNet(), unit_classes=("Block",))
+    with mock.patch.object(fsdp, "Unit", theirs):  # the wrapper builds its units from the module's name
+        model = fsdp.FullyShardedDataParallel(ToyNet(), unit_classes=("Block",))
+    names = {id(m): name for name, m in model.module.named_modules()}
+    label = {id(u): "the root" if u is model.root else f"unit {names[id(u.module)]!r}" for u in model.units}
+    live = lambda u: u._data.untyped_storage().nbytes()  # noqa: E731 (the gathered bytes a unit holds)
+    peak = []  # units holding gathered memory, seen as each block starts its forward
+    for unit in model.layer_units:
+        unit.module.register_forward_pre_hook(lambda *_: peak.append(sum(live(u) > 0 for u in model.units)))
+    plain = ToyNet()  # the same weights, unsharded: its loss is what a gathered forward computes
+    problems, optimizers = [], [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(2):
+        x, y = toy_batch(rank, step)
+        comm.counter.reset()
+        ref_loss = toy_loss(reference, x, y)
+        ref_loss.backward()
+        ref_bytes = comm.counter.take()
+        loss = toy_loss(model, x, y)
+        after_forward = [u for u in model.units if live(u)]
+        loss.backward()
+        sent = comm.counter.take()
+        after_backward = [u for u in model.units if live(u)]
+        where, found = f"step {step + 1}", []
+        for moment, held in (("forward", after_forward), ("backward", after_backward)):
+            if held:
+                found.append(f"{where}: after the {moment}, {label[id(held[0])]} still holds {live(held[0])} bytes of "
+                             f"gathered weights ({len(held)} of {len(model.units)} units do). Hint: free must give the "
+                             "memory back: self._data.untyped_storage().resize_(0)")
+        if abs(sent - ref_bytes) > 0.5:
+            found.append(f"{where}: sent {sent:.0f} bytes in forward and backward; minidist's FSDP sends {ref_bytes:.0f} "
+                         "(each unit all-gathered twice, its gradient reduce-scattered once). Hint: gather must do "
+                         "nothing unless the unit is sharded (the prefetch may have started it already)")
+        if peak and max(peak) > 3:
+            found.append(f"{where}: {max(peak)} units held gathered weights at once in forward; FSDP holds at most "
+                         "3 (the root, the running unit, the prefetched next one). Hint: free each unit after it ran")
+        counted = max(peak) if peak else 0
+        if model.max_unsharded < counted <= 3:  # (more than 3: the memory itself is the problem, said above)
+            found.append(f"{where}: model.max_unsharded says {model.max_unsharded}, but {counted} units were gathered "
+                         "at once. Hint: self.fsdp._count_unsharded(+1) when a gather starts, (-1) when a unit is freed")
+        want = toy_loss(plain, x, y).detach() if step == 0 else ref_loss.detach()  # (then SGD moves the shards)
+        if not _close(loss.detach(), want):
+            found.append(f"{where}: the loss is {loss.item():.6g}, the unsharded model's is {want.item():.6g}. Hint: "
+                         "gather every rank's shard into the unit's full buffer, and wait for it before the unit runs")
+        for unit, ref_unit in zip(model.units, reference.units):
+            got, want = unit.flat_param.grad, ref_unit.flat_param.grad
+            if got is None or not _close(got, want):
+                found.append(f"{where}: the gradient shard of {label[id(unit)]} "
+                             f"{'is None' if got is None else _first_difference(got, want)} (minidist's FSDP)")
+                break
+        problems = problems or found
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        peak.clear()
+    return problems
+
+
+CHECKS = {"01_ring_all_reduce": check_ring, "02_bucket_hook": check_bucket_hook, "03_accumulation": check_accumulation,
+          "04_zero2_step": check_zero2_step, "05_fsdp_gather_free": check_fsdp_gather_free}
+
+# (text in the exception, the hint): mistakes whose first sign is an exception, in every exercise
+ANY_EXERCISE = [("Timed out", "a rank waited a minute for a peer that never came: a send without the neighbour's "
+                 "matching receive, or a collective that only some ranks called"),
+                ("Connection closed by peer", "another rank stopped first: its own message, above, is the cause")]
+# and per exercise
+HINTS = {
+    "02_bucket_hook": [("'NoneType' object has no attribute 'wait'", "a bucket had no handle when backward ended: "
+                        "launch every bucket's all-reduce with async_op=True when it is full, and keep the handle "
+                        "in bucket.handle"),
+                       ("copy_", "say what is sent: bucket.sent = bucket.buffer (then _finish finds the buffer)")],
+}

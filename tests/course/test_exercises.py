@@ -1,0 +1,349 @@
+"""The exercises that check themselves (`lessons/exercises/`), and the proof that each check works.
+
+A learner fills a skeleton and runs one command:
+
+    MINIDIST_EXERCISE=lessons/exercises/01_ring_all_reduce.py python -m pytest -q tests/course/test_exercises.py
+
+which collects one test, `test_your_solution`: it passes, or fails with a few lines that say
+which rank, which tensor, what was expected and what came, and a hint.
+
+Without the variable (CI), every check is proved both ways, nothing skipped: it passes against
+minidist's own implementation, fails against the committed blank skeleton (the blank's
+NotImplementedError, with the skeleton's line), and fails, with the message a learner needs,
+against plausible wrong solutions written below. All the sources of one exercise run in one
+launch of its ranks (`exercise_workers.check`), which keeps the file to a few launches.
+"""
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from exercise_workers import EXERCISES, CheckError, check, exercise_of, skeleton
+
+YOURS = os.environ.get("MINIDIST_EXERCISE")
+
+# ---------------------------------------------------------------------------------- plausible wrong solutions
+RING_HEADER = """
+import torch
+import torch.distributed as dist
+
+def exchange(chunks, send, recv, n, rank, add):
+    incoming = torch.empty_like(chunks[recv])
+    requests = [dist.isend(chunks[send], (rank + 1) % n), dist.irecv(incoming, (rank - 1) % n)]
+    for request in requests:
+        request.wait()
+    if add:
+        chunks[recv].add_(incoming)
+    else:
+        chunks[recv].copy_(incoming)
+"""
+WRONG = {
+    "01_ring_all_reduce": {
+        # Stops after the reduce-scatter: each rank holds one finished chunk.
+        "halfway": (RING_HEADER + """
+def ring_all_reduce(tensor, group=None):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(torch.tensor_split(tensor.view(-1), n))
+    for s in range(n - 1):
+        exchange(chunks, (rank - s) % n, (rank - s - 1) % n, n, rank, add=True)
+    return tensor
+""", ["only chunk", "all-gather phase"]),
+        # Adds in the all-gather phase too.
+        "adds_twice": (RING_HEADER + """
+def ring_all_reduce(tensor, group=None):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(torch.tensor_split(tensor.view(-1), n))
+    for s in range(n - 1):
+        exchange(chunks, (rank - s) % n, (rank - s - 1) % n, n, rank, add=True)
+    for s in range(n - 1):
+        exchange(chunks, (rank + 1 - s) % n, (rank - s) % n, n, rank, add=True)
+    return tensor
+""", ["only chunk", "not adding it"]),
+        # Right sums, but every rank sends its whole tensor to every other: (N-1) x the bytes.
+        "send_everything": ("""
+import torch
+import torch.distributed as dist
+
+def ring_all_reduce(tensor, group=None):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    total = tensor.clone()
+    for k in range(1, n):
+        incoming = torch.empty_like(tensor)
+        requests = [dist.isend(tensor, (rank + k) % n), dist.irecv(incoming, (rank - k) % n)]
+        for request in requests:
+            request.wait()
+        total += incoming
+    tensor.copy_(total)
+    return tensor
+""", ["sent", "a ring sends 2(N-1)/N"]),
+        # The library call the exercise replaces.
+        "library": ("""
+import torch.distributed as dist
+
+def ring_all_reduce(tensor, group=None):
+    dist.all_reduce(tensor)
+    return tensor
+""", ["torch.distributed.all_reduce was called", "dist.isend"]),
+    },
+    "02_bucket_hook": {
+        # Forgets to divide: the sum over ranks, not the average.
+        "no_divide": ("""
+from minidist.parallel import comm, ddp
+
+class BucketedDDP(ddp.BucketedDDP):
+    def _on_grad_ready(self, param):
+        if not self.require_sync:
+            return
+        b, i = self._bucket_of[id(param)]
+        bucket = self.buckets[b]
+        bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + param.numel()].copy_(param.grad.view(-1))
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bucket.sent = bucket.buffer
+            bucket.handle = comm.all_reduce(bucket.sent, group=self.group, async_op=True)
+        if self.count.add(param):
+            self._finish()
+""", ["without dividing by world_size", "2 x the expected"]),
+        # Off by one: launches with one gradient still to come (and again when it comes).
+        "early": ("""
+from minidist.parallel import comm, ddp
+
+class BucketedDDP(ddp.BucketedDDP):
+    def _on_grad_ready(self, param):
+        if not self.require_sync:
+            return
+        b, i = self._bucket_of[id(param)]
+        bucket = self.buckets[b]
+        bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + param.numel()].copy_(param.grad.view(-1))
+        bucket.pending -= 1
+        if bucket.pending <= 1:
+            bucket.sent = bucket.buffer.div(self.world_size)
+            bucket.handle = comm.all_reduce(bucket.sent, group=self.group, async_op=True)
+        if self.count.add(param):
+            self._finish()
+""", ["fired before the bucket was full"]),
+        # Right gradients, no overlap: every bucket launched once backward is over (the naive DDP).
+        "at_the_end": ("""
+from minidist.parallel import comm, ddp
+
+class BucketedDDP(ddp.BucketedDDP):
+    def _on_grad_ready(self, param):
+        if not self.require_sync:
+            return
+        b, i = self._bucket_of[id(param)]
+        bucket = self.buckets[b]
+        bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + param.numel()].copy_(param.grad.view(-1))
+        bucket.pending -= 1
+        if self.count.add(param):
+            for bucket in self.buckets:
+                bucket.sent = bucket.buffer.div_(self.world_size)
+                bucket.handle = comm.all_reduce(bucket.sent, group=self.group, async_op=True)
+            self._finish()
+""", ["its all-reduce started only after gradient", "overlaps the rest of"]),
+    },
+    "03_accumulation": {
+        # Right gradients, but every micro-batch all-reduces: no no_sync.
+        "no_no_sync": ("""
+from minidist.step import token_loss_sum
+
+def train_step(model, strategy, micro_batches, num_targets, world_size):
+    loss_sum = 0.0
+    for batch in micro_batches:
+        loss = token_loss_sum(model, batch, strategy)
+        (loss * world_size / num_targets).backward()
+        loss_sum = loss_sum + loss.detach()
+    return loss_sum
+""", ["3 all-reduces", "strategy.no_sync(model)"]),
+        # The mean per micro-batch, then the mean of the micro-batches (transformers before October 2024).
+        "mean_per_micro_batch": ("""
+from contextlib import nullcontext
+from minidist.step import token_loss_sum
+
+def train_step(model, strategy, micro_batches, num_targets, world_size):
+    loss_sum = 0.0
+    for i, batch in enumerate(micro_batches):
+        with nullcontext() if i == len(micro_batches) - 1 else strategy.no_sync(model):
+            loss = token_loss_sum(model, batch, strategy)
+            targets = (batch["labels"][:, 1:] != -100).sum()
+            (loss / targets / len(micro_batches)).backward()
+        loss_sum = loss_sum + loss.detach()
+    return loss_sum
+""", ["not by one factor", "divide by num_targets"]),
+        # Forgets the world size: the wrapper's average over ranks divides once too often.
+        "no_world_size": ("""
+from contextlib import nullcontext
+from minidist.step import token_loss_sum
+
+def train_step(model, strategy, micro_batches, num_targets, world_size):
+    loss_sum = 0.0
+    for i, batch in enumerate(micro_batches):
+        with nullcontext() if i == len(micro_batches) - 1 else strategy.no_sync(model):
+            loss = token_loss_sum(model, batch, strategy)
+            (loss / num_targets).backward()
+        loss_sum = loss_sum + loss.detach()
+    return loss_sum
+""", ["1/2 of the whole batch's", "world_size / num_targets"]),
+    },
+    "04_zero2_step": {
+        # Steps its shard, never all-gathers: each rank sees only its own shard move.
+        "no_all_gather": ("""
+import torch
+from minidist.parallel import zero
+
+class ShardedOptimizer(zero.ShardedOptimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        for bucket in self.buckets:
+            bucket.master.grad = bucket.own_gradient().float()
+        self.optimizer.step()
+        for bucket in self.buckets:
+            bucket.master.grad = None
+            bucket.weights[bucket.layout.shard_slice].copy_(bucket.master)
+""", ["unchanged by the step on this rank", "all-gather"]),
+        # All-gathers the weights as they are: the master is a view in fp32 (passes), a copy in bf16.
+        "no_copy_of_the_master": ("""
+import torch
+from minidist.parallel import comm, zero
+
+class ShardedOptimizer(zero.ShardedOptimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        for bucket in self.buckets:
+            bucket.master.grad = bucket.own_gradient().float()
+        self.optimizer.step()
+        for bucket in self.buckets:
+            bucket.master.grad = None
+            comm.all_gather(bucket.weights, bucket.weights[bucket.layout.shard_slice].clone(), group=self.group)
+""", ["bfloat16", "copy the updated master"]),
+        # Updates the whole flat tensor, as DDP would, from the shard's gradient alone: no sharding.
+        "whole_tensor": ("""
+import torch
+from minidist.parallel import zero
+
+class ShardedOptimizer(zero.ShardedOptimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        for bucket in self.buckets:
+            bucket.master.grad = bucket.own_gradient().float()
+        self.optimizer.step()
+        for bucket in self.buckets:
+            bucket.master.grad = None
+            bucket.weights.copy_(bucket.master.repeat(bucket.layout.padded_numel // bucket.layout.shard_numel))
+""", ["rank 1's shard", "sent 0 bytes", "its own rank's updated master"]),
+    },
+    "05_fsdp_gather_free": {
+        # free forgets the memory: every unit stays gathered, FSDP holds the model like DDP.
+        "keeps_memory": ("""
+from minidist.parallel import comm, fsdp
+
+class Unit(fsdp.Unit):
+    def gather(self):
+        if self.state != "sharded":
+            return
+        self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
+        self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)
+        self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
+        self.state = "gathering"
+        self.fsdp._count_unsharded(+1)
+
+    def free(self):
+        if self.state != "sharded":
+            self.wait()
+            self.state = "sharded"
+            self.fsdp._count_unsharded(-1)
+""", ["still holds", "resize_(0)"]),
+        # gather without the guard: a unit the prefetch started is gathered a second time.
+        "gathers_twice": ("""
+from minidist.parallel import comm, fsdp
+
+class Unit(fsdp.Unit):
+    def gather(self):
+        if self.state == "gathering":
+            self.wait()
+        self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
+        self._send = self.flat_param.detach().to(self.fsdp.mp.param_dtype)
+        self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
+        self.state = "gathering"
+        self.fsdp._count_unsharded(+1)
+
+    def free(self):
+        if self.state != "sharded":
+            self.wait()
+            self._data.untyped_storage().resize_(0)
+            self.state = "sharded"
+            self.fsdp._count_unsharded(-1)
+""", ["minidist's FSDP sends", "nothing unless the unit is sharded"]),
+    },
+}
+
+
+# ---------------------------------------------------------------------------------- the learner's command
+if YOURS:
+    def test_your_solution():
+        """The learner's file, checked: pass, or a few lines that say what to fix."""
+        path = Path(YOURS)
+        if not path.is_file():
+            pytest.fail(f"MINIDIST_EXERCISE={YOURS}: no such file (give the path of your copy of a skeleton in "
+                        "lessons/exercises/, from the repository root)", pytrace=False)
+        try:
+            exercise = exercise_of(path)
+        except CheckError as e:
+            pytest.fail(str(e), pytrace=False)
+        verdict = check(exercise, [str(path)])[0]
+        what = EXERCISES[exercise][1]
+        if verdict:
+            pytest.fail(f"{YOURS} does not pass the check of {what}:\n{verdict}", pytrace=False)
+        print(f"PASS: {YOURS} passes the check of {what}")
+
+else:
+    class Verdicts:
+        """Each exercise's sources run in one launch, on first use, written under a temporary folder."""
+
+        def __init__(self, folder: Path):
+            self.folder, self.done = folder, {}
+
+        def __call__(self, exercise: str) -> dict[str, str | None]:
+            if exercise not in self.done:
+                names, sources = ["minidist", "blank"], ["minidist", str(skeleton(exercise))]
+                for name, (source, _) in WRONG.get(exercise, {}).items():
+                    path = self.folder / f"{exercise}_{name}.py"
+                    path.write_text(textwrap.dedent(source))
+                    names.append(name)
+                    sources.append(str(path))
+                self.done[exercise] = dict(zip(names, check(exercise, sources)))
+            return self.done[exercise]
+
+    @pytest.fixture(scope="module")
+    def verdicts(tmp_path_factory):
+        return Verdicts(tmp_path_factory.mktemp("exercises"))
+
+    @pytest.mark.parametrize("exercise", list(EXERCISES))
+    def test_the_check_passes_minidists_own_implementation(verdicts, exercise):
+        assert verdicts(exercise)["minidist"] is None, verdicts(exercise)["minidist"]
+
+    @pytest.mark.parametrize("exercise", list(EXERCISES))
+    def test_the_check_fails_the_blank_skeleton_with_its_line(verdicts, exercise):
+        verdict = verdicts(exercise)["blank"]
+        where = f"lessons/exercises/{exercise}.py, line"
+        assert verdict is not None and "NotImplementedError" in verdict and where in verdict, (
+            f"lessons/exercises/{exercise}.py is not blank any more, or fails otherwise "
+            f"(`git checkout lessons/exercises/` restores it): {verdict}")
+
+    @pytest.mark.parametrize("exercise, wrong", [(e, w) for e, ws in WRONG.items() for w in ws])
+    def test_the_check_fails_a_plausible_wrong_solution_and_says_why(verdicts, exercise, wrong):
+        verdict = verdicts(exercise)[wrong]
+        assert verdict is not None, f"the wrong solution {wrong!r} passed the check of {exercise}"
+        for words in WRONG[exercise][wrong][1]:
+            assert words in verdict, f"{words!r} is not in the message:\n{verdict}"
+
+    def test_a_copy_of_a_skeleton_is_known_by_its_exercise_line(tmp_path):
+        """A learner's copy is checked by its EXERCISE line, wherever it lives and whatever its name."""
+        for exercise in EXERCISES:
+            copy = tmp_path / "my_solution.py"
+            copy.write_text(skeleton(exercise).read_text())
+            assert exercise_of(copy) == exercise
+        copy.write_text("def ring_all_reduce(tensor, group=None):\n    pass\n")
+        with pytest.raises(CheckError, match="no EXERCISE"):
+            exercise_of(copy)

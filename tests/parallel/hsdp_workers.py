@@ -1,0 +1,40 @@
+"""Worker functions for tests/parallel/test_hsdp.py, run in each rank by `launch(..., nodes=2)`."""
+
+
+from minidist.runtime.distributed import get_env
+
+
+def one_step_bytes(model_dir, strategies, seq_len=32):
+    """One optimizer step of each hand-written strategy (`fsdp`, `hsdp`), fp32, one micro-batch of
+    2 sequences per rank; return per strategy the bytes this rank sent (`comm.counter.take_split`),
+    the padded size of every FSDP unit and the mesh this rank saw."""
+    from minidist import batches
+    from minidist.chess import jsonl
+    from minidist.chess.games import bundled_games
+    from minidist.hf import models
+    from minidist.step import train_step
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    env = get_env()
+    tokenizer = models.load_tokenizer(model_dir)
+    sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, seq_len)
+    out = {}
+    for name in strategies:
+        strategy = get_strategy(ParallelOptions(name, "minidist"), env)
+        model = strategy.wrap(models.load_model(model_dir))
+        optimizer = strategy.build_optimizer(model, 1e-3)
+        strategy.take_comm_bytes()  # what wrapping sent is not a step's
+        batch = batches.collate(sequences[2 * env.rank:2 * env.rank + 2], tokenizer.pad_token_id)
+        num_targets = 2 * env.world_size * seq_len  # any scale will do: bytes do not depend on it
+        train_step(model, strategy, [batch], num_targets, env.world_size)
+        strategy.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        mesh = strategy.mesh
+        out[name] = {"bytes": strategy.take_comm_bytes(split=True),
+                     "units": [u.layout.padded_numel for u in model.units],
+                     "shard_size": mesh.shard_size, "replicate_size": mesh.replicate_size,
+                     "shard_rank": mesh.shard_rank, "replicate_rank": mesh.replicate_rank,
+                     "local": (env.local_rank, env.local_world_size),
+                     "grads": [u.flat_param.grad.clone() for u in model.units]}
+    return out

@@ -1,0 +1,98 @@
+"""Worker functions for tests/parallel/test_offload.py, run in each rank by `launch`.
+
+The parity runs reuse `zero_fsdp_workers.run_plan` (variants with `cpu_offload=True`); this module
+adds what only offload has: where each tensor lives after a step, and the device/host split of a
+whole step's live tensors next to the estimator's.
+"""
+
+import torch
+
+from minidist.runtime.distributed import get_env
+
+
+def _wrapped(model_dir, strategy, mixed_precision, cpu_offload, bucket_cap_mb=0.05):
+    from minidist.hf import models
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+
+    options = {"bucket_cap_mb": bucket_cap_mb} if strategy not in ("fsdp", "hsdp") else {}
+    impl = get_strategy(ParallelOptions(strategy, "minidist", mixed_precision=mixed_precision,
+                                        cpu_offload=cpu_offload, **options), get_env())
+    model = impl.wrap(models.load_model(model_dir))
+    return impl, model, impl.build_optimizer(model, 1e-3)
+
+
+def _batch(model_dir, batch, seq):
+    from minidist import batches
+    from minidist.chess import jsonl
+    from minidist.chess.games import bundled_games
+    from minidist.hf import models
+
+    tokenizer = models.load_tokenizer(model_dir)
+    games = jsonl.load_games(bundled_games("train"))
+    sequences = batches.tokenize_games(games, tokenizer, seq)
+    rank = get_env().rank
+    return batches.collate(sequences[rank * batch:(rank + 1) * batch], tokenizer.pad_token_id)
+
+
+def _step(model, optimizer, batch):
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                use_cache=False)
+    out.loss.backward()
+    optimizer.step()
+
+
+def where_things_live(model_dir, strategies=("zero1", "zero2", "fsdp")):
+    """After one step of each sharded strategy with --cpu_offload (bf16), which side holds what:
+    masters and their gradients on the host, the compute-dtype weights on the device."""
+    from minidist.parallel import offload
+
+    results = {}
+    batch = _batch(model_dir, 2, 32)
+    for strategy in strategies:
+        impl, model, optimizer = _wrapped(model_dir, strategy, "bf16", True)
+        _step(model, optimizer, batch)
+        masters = [g for group in optimizer.param_groups for g in group["params"]]
+        if strategy in ("fsdp", "hsdp"):
+            grads = [u.flat_param.grad for u in model.units]
+            device_side = [u.device_shard.tensor for u in model.units]
+        else:
+            grads = model.gradient_shards() if strategy == "zero2" else []
+            device_side = [b.weights for b in model.buckets]
+        results[strategy] = {
+            "masters_host": all(offload.is_host(m) for m in masters) and len(masters) > 0,
+            "masters_fp32": all(m.dtype == torch.float32 for m in masters),
+            "grads_host": all(offload.is_host(g) for g in grads), "num_grads": len(grads),
+            "device_side_host": any(offload.is_host(t) for t in device_side),
+            "device_side_dtype": {str(t.dtype) for t in device_side},
+        }
+    return results
+
+
+def measured_split(model_dir, strategy, mixed_precision, batch, seq, bucket_cap_mb, games_path):
+    """One whole step of the loop (forward, backward, clipping, the optimizer step), its peak of
+    live tensors on this rank split into device and host (`memory/sides.py`). The second step is
+    measured: the first creates AdamW's states."""
+    from minidist import batches
+    from minidist.chess import jsonl
+    from minidist.hf import models
+    from minidist.step import train_step
+    from minidist.memory.sides import SplitLiveTensors
+
+    env = get_env()
+    impl, model, optimizer = _wrapped(model_dir, strategy, mixed_precision, True, bucket_cap_mb)
+    tokenizer = models.load_tokenizer(model_dir)
+    sequences = batches.tokenize_games(jsonl.load_games(games_path), tokenizer, seq)
+    mine = batches.collate(sequences[env.rank * batch:(env.rank + 1) * batch], tokenizer.pad_token_id)
+    num_targets = sum(len(sequences[i]) - 1 for i in range(env.world_size * batch))
+
+    def step():
+        train_step(model, impl, [mine], num_targets, env.world_size)
+        impl.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+
+    step()
+    optimizer.zero_grad(set_to_none=True)
+    with SplitLiveTensors(env.device, model, optimizer) as live:
+        step()
+    return {"device": live.device_peak, "host": live.host_peak, "peak": live.peak}
