@@ -1,4 +1,4 @@
-"""Worker functions for lesson 06 (activation checkpointing), launched by `minidist.runtime.launch.launch`.
+"""Worker functions for lesson 06 (activation checkpointing), launched by `minidist.launch.launch`.
 
 They live in a `.py` file because every rank is a fresh process that imports its worker by
 name; a function defined in a notebook cell cannot be imported. Nothing here re-implements
@@ -17,13 +17,13 @@ them alike instead of whichever happened to run then; `median_spread` summarises
 import statistics
 import time
 
-from minidist.step import train_step
+from minidist import finetune
 
 import training
 
 
 def _cpu_timed(train_step, seconds: list):
-    """`train_step` (forward and backward of one step), recording the CPU seconds this
+    """`finetune.train_step` (forward and backward of one step), recording the CPU seconds this
     process spent in it. The loop's `step_time_s` is wall time: on a laptop shared with other work
     it also counts the time the rank waited for a core. CPU time counts only the work done (the
     recomputation included), so it compares checkpointed and stored runs more steadily."""
@@ -47,12 +47,12 @@ def in_rounds(runs: dict, rounds: int, steps: int, common: list[str]) -> dict:
     results = {name: [] for name in runs}
     for _ in range(rounds):
         for name, extra in runs.items():
-            cpu_s, train_step = [], train_step
-            train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
+            cpu_s, train_step = [], finetune.train_step
+            finetune.train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
             try:
                 done = training.run([*common, *extra, "--max_steps", str(steps), "--no_save"])
             finally:
-                train_step = train_step
+                finetune.train_step = train_step
             results[name].append({"records": done["records"], "cpu_s": cpu_s, "log": done["log"]})
     return results
 
