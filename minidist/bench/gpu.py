@@ -58,7 +58,7 @@ ACCUMULATION = 2  # micro-batches per step: the first accumulates under no_sync,
 # and AdamW) is 16 GB, so the activations of 8 x 512 tokens and DDP's buckets fit in 80 GB too.
 SIZES = {"gpu": dict(hidden_size=2048, num_layers=20, num_heads=16, batch=8, seq=512, warmup=3, steps=10),
          "smoke": dict(hidden_size=64, num_layers=2, num_heads=2, batch=2, seq=32, warmup=1, steps=3)}
-CODELLAMA = Path(__file__).resolve().parent.parent / "configs" / "codellama-7b"
+CODELLAMA = Path(__file__).resolve().parent.parent / "hf" / "configs" / "codellama-7b"
 BIG_GPU = 120e9  # bytes: CodeLlama-7b with FSDP on one GPU needs about 108 GB of model states alone
 PHASES = (f"forward + backward ({ACCUMULATION} micro-batches)", "clip_grad_norm_", "optimizer step")
 

@@ -58,7 +58,7 @@ from minidist.memory import cache, hybrid, lora_terms, moments, offload_split, t
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
-CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIGS = Path(__file__).parent.parent / "hf" / "configs"
 # Configs shipped with minidist, so the estimates in the lessons work offline (lesson 00's t5-base question).
 BUNDLED = {"codellama/CodeLlama-7b-hf": CONFIGS / "codellama-7b", "google-t5/t5-base": CONFIGS / "t5-base"}
 
