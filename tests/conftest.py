@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny Llama written once per test session, loaded like any hub model. And the
-session's summary of each notebook's time. (The real SLURM cluster's fixture is `cluster/conftest.py`'s.)"""
+session's summary of each notebook's time and of the long modules. (The real SLURM cluster's
+fixture is `cluster/conftest.py`'s.)"""
 
 import pytest
 
@@ -35,10 +36,25 @@ def notebook_times(stats: dict) -> list[str]:
             + [f"{len(rows)} notebook{'s' * (len(rows) > 1)}, {sum(s for _, s, _ in rows):.1f} s in all"])
 
 
+def long_modules(stats: dict) -> list[str]:
+    """One line per module over 300 code lines, as tests/test_layout.py recorded them (listed, not failed)."""
+    for report in (r for reports in stats.values() for r in reports):
+        modules = dict(getattr(report, "user_properties", ())).get("long_modules")
+        if modules is not None and getattr(report, "when", "call") == "call":
+            return [f"{name} {n}" for name, n in sorted(modules.items())] or ["none"]
+    return []
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Print each notebook's time at the end of the session, whether or not `-s` is given."""
+    """Print each notebook's time, and the modules over 300 code lines, at the end of the session,
+    whether or not `-s` is given."""
     lines = notebook_times(terminalreporter.stats)
     if lines:
         terminalreporter.write_sep("-", "notebook times, small configuration (budget: reported, not asserted)")
+        for line in lines:
+            terminalreporter.write_line(line)
+    lines = long_modules(terminalreporter.stats)
+    if lines:
+        terminalreporter.write_sep("-", "modules over 300 code lines, docstrings and comments apart (not failed)")
         for line in lines:
             terminalreporter.write_line(line)
