@@ -2,9 +2,9 @@
 
 On a cluster, ``torchrun`` or ``srun`` starts the processes. On a laptop we want the same
 thing from Python: ``launch(worker, 4)`` starts four processes, each one joins a gloo process
-group on the CPU, even on a node with GPUs (through ``minidist.runtime.distributed.init_distributed``,
-exactly as under torchrun), runs
-``worker()``, and hands its return value back to us, ordered by rank.
+group on the CPU, even on a node with GPUs (through
+``minidist.runtime.distributed.init_distributed``, exactly as under torchrun), runs ``worker()``,
+and hands its return value back to us, ordered by rank.
 
 Three details make this reliable:
 
@@ -132,28 +132,12 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
     They still all run on this machine and talk over its loopback.
 
     Each rank is a fresh process (forked from the fork server, with the caller's environment)
-    in a gloo process group (``init_distributed`` is called for you, ``cleanup`` after). If a rank raises or dies, ``RankFailed`` is raised with its
-    traceback and every other rank is stopped. ``timeout_s`` bounds the whole launch
-    (``TimeoutError``). No child outlives this call, whatever happens.
+    in a gloo process group (``init_distributed`` is called for you, ``cleanup`` after). If a
+    rank raises or dies, ``RankFailed`` is raised with its traceback and every other rank is
+    stopped. ``timeout_s`` bounds the whole launch (``TimeoutError``). No child outlives this
+    call, whatever happens.
     """
-    if world_size < 1:
-        raise ValueError(f"launch() needs world_size >= 1 ranks, got {world_size}.")
-    if nodes < 1 or world_size % nodes:
-        raise ValueError(f"launch() needs nodes that divide the {world_size} ranks equally, got nodes={nodes}.")
-    if getattr(fn, "__module__", None) == "__main__":
-        raise ValueError(
-            f"launch() starts fresh processes that import {fn.__name__!r} by name, which is "
-            "impossible for a function defined in a notebook or __main__: move it into a .py "
-            "module and import it from there."
-        )
-    try:
-        pickle.dumps(fn)
-    except Exception as e:
-        raise ValueError(
-            f"launch() cannot send {fn!r} to other processes ({e}): use a module-level "
-            "function (not a lambda or a nested function) defined in an importable .py file."
-        ) from e
-
+    _check_launchable(fn, world_size, nodes)
     ctx = multiprocessing.get_context(_START_METHOD)
     if _START_METHOD == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first launch
@@ -173,36 +157,7 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
             writer.close()
             procs.append(p)
             readers[reader] = rank
-
-        results = {}
-        while readers:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                running = sorted(readers.values())
-                raise TimeoutError(
-                    f"launch() timed out after {timeout_s} s with ranks {running} still "
-                    "running: raise timeout_s, or look for a rank stuck in a collective."
-                )
-            failures = []
-            for reader in wait(list(readers), timeout=left):
-                rank = readers.pop(reader)
-                try:
-                    status, payload, sent_at = pickle.loads(reader.recv_bytes())
-                except EOFError:  # the child is gone and said nothing
-                    procs[rank].join(_GRACE_S)
-                    code = procs[rank].exitcode
-                    raise RankFailed(rank, _exit_report(rank, code), code) from None
-                finally:
-                    reader.close()
-                if status == "ok":
-                    results[rank] = payload
-                else:
-                    failures.append((sent_at, rank, payload))
-            if failures:
-                # When one rank fails, its peers soon fail too ("connection closed"); the
-                # root cause is the report sent first.
-                _, rank, report = min(failures)
-                raise RankFailed(rank, report)
+        results = _collect(procs, readers, deadline, timeout_s)
 
         # Everyone reported; give them a moment to leave the group and exit on their own.
         deadline = time.monotonic() + _GRACE_S
@@ -213,3 +168,60 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
         _stop(procs)  # a no-op when all exited; otherwise terminate, kill, join
         for reader in readers:
             reader.close()
+
+
+def _check_launchable(fn, world_size: int, nodes: int) -> None:
+    """Raise ValueError, before any process starts, for a launch that cannot work."""
+    if world_size < 1:
+        raise ValueError(f"launch() needs world_size >= 1 ranks, got {world_size}.")
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"launch() needs nodes that divide the {world_size} ranks equally, got nodes={nodes}.")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"launch() starts fresh processes that import {fn.__name__!r} by name, which is "
+            "impossible for a function defined in a notebook or __main__: move it into a .py "
+            "module and import it from there."
+        )
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(
+            f"launch() cannot send {fn!r} to other processes ({e}): use a module-level "
+            "function (not a lambda or a nested function) defined in an importable .py file."
+        ) from e
+
+
+def _collect(procs: list, readers: dict, deadline: float | None, timeout_s: float | None) -> dict:
+    """Read every rank's report as it arrives: {rank: result}. Each pipe read is taken out of
+    `readers` (and closed); a rank that raised or died raises ``RankFailed``, a launch past its
+    `deadline` ``TimeoutError``."""
+    results = {}
+    while readers:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            running = sorted(readers.values())
+            raise TimeoutError(
+                f"launch() timed out after {timeout_s} s with ranks {running} still "
+                "running: raise timeout_s, or look for a rank stuck in a collective."
+            )
+        failures = []
+        for reader in wait(list(readers), timeout=left):
+            rank = readers.pop(reader)
+            try:
+                status, payload, sent_at = pickle.loads(reader.recv_bytes())
+            except EOFError:  # the child is gone and said nothing
+                procs[rank].join(_GRACE_S)
+                code = procs[rank].exitcode
+                raise RankFailed(rank, _exit_report(rank, code), code) from None
+            finally:
+                reader.close()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failures.append((sent_at, rank, payload))
+        if failures:
+            # When one rank fails, its peers soon fail too ("connection closed"); the
+            # root cause is the report sent first.
+            _, rank, report = min(failures)
+            raise RankFailed(rank, report)
+    return results
