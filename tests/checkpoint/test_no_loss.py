@@ -32,6 +32,7 @@ from minidist.runtime.errors import UsageError
 from minidist.hf.models import load_model
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
+from in_process import run_here_in_one_line as run_here  # a run that fails says why in one line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,25 +51,6 @@ def args(tiny_model, games):
                 "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "4",
                 "--warmup_steps", "1", "--seed", "3", "--no_save", *extra]
     return make
-
-
-def run_here(argv, capsys) -> tuple[int, str]:
-    """Run the training script in this process: its exit code (0: it returned) and what it printed
-    on stderr, which must be one line without a traceback when it failed (besides the progress
-    bars that transformers draws while it loads a model)."""
-    capsys.readouterr()
-    try:
-        finetune.main(argv)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    err = capsys.readouterr().err
-    if code:
-        lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
-        assert len(lines) == 1 and "Traceback" not in err, err
-        assert lines[0].startswith("minidist.finetune: error: "), lines[0]
-        return code, lines[0]
-    return code, err
 
 
 def intact(checkpoint: Path) -> bool:

@@ -23,6 +23,7 @@ from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.step import lr_schedule
 from minidist.runtime.launch import launch
+from in_process import run_here
 from reference import train_reference
 from train_workers import run_finetunes, run_finetunes_then_leave
 
@@ -147,14 +148,6 @@ def test_bf16_tracks_fp32(tiny_model, reference, runs, impl, strategy, extra):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         parameters = sum(t.numel() for t in reference[1].values())
         assert [r["comm_bytes"] for r in records] == [2 * parameters * (2 - 1) / 2 * 2] * STEPS
-
-
-def run_here(argv, capsys) -> tuple[int, str]:
-    """Run the training script in this process (no start-up of its own); its exit status and stderr."""
-    capsys.readouterr()  # only what the script writes counts
-    with pytest.raises(SystemExit) as stop:
-        finetune.main(argv)
-    return stop.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,expected", [

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from minidist import finetune
 from minidist.step import lr_schedule
 from minidist.runtime.launch import launch
+from in_process import run_here
 from lora_workers import run_lora_finetunes
 from reference import train_reference
 from test_memory import long_games, weighty_model  # noqa: F401 (fixtures)
@@ -143,13 +144,6 @@ def test_the_saved_adapter_loads_with_peft_and_gives_the_same_logits(tiny_model,
     ids = torch.arange(3, 40).reshape(1, -1)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
-
-
-def run_here(argv, capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        finetune.main(argv)
-    return stop.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,expected", [

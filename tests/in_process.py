@@ -1,0 +1,27 @@
+"""The training script run in the test's own process (no start-up of its own), for what it says when
+it stops: used by tests/loop, tests/checkpoint and tests/parallel."""
+
+from minidist import finetune
+
+
+def run_here(argv, capsys) -> tuple[int, str]:
+    """Run `python -m minidist.finetune ARGV` here: its exit status (0: it returned) and its stderr."""
+    capsys.readouterr()  # only what the script writes counts
+    try:
+        finetune.main(argv)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+def run_here_in_one_line(argv, capsys) -> tuple[int, str]:
+    """`run_here`, where a run that fails must say why in one line without a traceback (besides the
+    progress bars that transformers draws while it loads a model): its status and that line."""
+    code, err = run_here(argv, capsys)
+    if code:
+        lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("minidist.finetune: error: "), lines[0]
+        return code, lines[0]
+    return code, err
