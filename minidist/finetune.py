@@ -22,14 +22,16 @@ long batch, differently for every split.
 import argparse
 import sys
 import time
-from pathlib import Path
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from minidist import batches
-from minidist.checkpoint import final_model, output_dir, preemption, state
+from minidist.checkpoint import preemption, state
+from minidist.checkpoint.session import Session
 from minidist.chess import jsonl, legal_moves
 from minidist.chess.games import bundled_games
 from minidist.hf import lora, model_folder, models
@@ -39,7 +41,7 @@ from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
-from minidist.step import lr_schedule, train_step
+from minidist.step import assemble_micro_batches, lr_schedule, train_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,95 +94,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train(args) -> dict:
-    """Run the whole job on this rank; return what it measured (the tests compare these)."""
+def train(args, around_train_step=None) -> dict:
+    """Run the whole job on this rank; return what it measured (the tests compare these).
+
+    Code that only measures subscribes through `around_train_step`: a function called once per
+    step that returns a context manager, which the loop enters around `train_step` (the step's
+    forward and backward). `notebooks/workers_06.py` counts CPU seconds there; the loop does not
+    know what is measured."""
     env = init_distributed()
-    with output_dir.claimed(args, env.is_main), preemption.handlers_kept():  # this run's alone; see there
-        return _train(args, env)
+    session = Session(args.output_dir, env, resume=args.resume, overwrite=args.overwrite_output_dir,
+                      save_steps=args.save_steps, keep=args.save_total_limit, form=args.checkpoint_format)
+    with session:  # this run's output folder alone, and the signal handlers put back after it (session.py)
+        return _train(args, env, session, around_train_step or nullcontext)
 
 
-def _train(args, env) -> dict:
+def _train(args, env, session: Session, around_train_step) -> dict:
+    """The run, in the order a learner reads it: options, strategy, model, optimizer, the steps."""
     torch.manual_seed(args.seed + env.rank)  # ranks differ on purpose: wrapping must make them agree
     if not env.is_main:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-    micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
-    try:  # everything a learner can get wrong, checked before the expensive model load
-        strategy = get_strategy(ParallelOptions.from_args(args), env)
-        mesh = strategy.mesh  # every rank is a data-parallel rank; hsdp: shard x replicate groups (mesh.py)
-        args.model = models.resolve(args.model)
-        model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
-        lora.check(args, args.model)  # its flags, and target modules this model has
-        tokenizer = models.load_tokenizer(args.model)
-        sequences = batches.tokenize_games(jsonl.load_games(args.data), tokenizer, args.max_seq_length)
-        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * mesh.size * accum, args.seed)
-        prefixes = legal_moves.game_prefixes(jsonl.load_games(args.eval_data), args.eval_prefixes, args.seed)
-        # What a checkpoint must share with this run for the resume to be exact (state.verify).
-        run = {"model": state.model_fingerprint(args.model),
-               "strategy": f"{args.impl}/{args.strategy}{lora.fingerprint(args)}",  # LoRA's flags too: lora.py
-               "global_batch_size": sampler.global_batch_size, "seed": args.seed, "num_examples": len(sequences)}
-        resume = state.verify(state.find(args.resume, args.output_dir), run) if args.resume else None
-    except (FileNotFoundError, NotImplementedError, ValueError) as err:
-        raise UsageError(err) from err
-    stop_signals = preemption.StopSignals()  # from here SIGTERM/SIGUSR1/SIGINT mean: save after this step, stop
+    strategy, lora_options, games = _check(args, env, session)  # before the expensive model load
+    mesh = strategy.mesh  # every rank is a data-parallel rank; hsdp: shard x replicate groups (mesh.py)
+    session.catch_stop_signals()  # from here SIGTERM/SIGUSR1/SIGINT mean: save after this step, stop
 
-    model = strategy.load_model(args.model)  # minidist FSDP: rank 0 only; the others get shapes
-    config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
-    if lora.enabled(args):  # the base frozen, adapters beside it, the same on every rank (lora.py)
-        model = lora.apply(model, args, args.seed)
-        if env.is_main:
-            print(lora.describe(model))
-    if args.gradient_checkpointing:
-        strategy.checkpoint_activations(model)
-    model = strategy.wrap(model)
-    # from_pretrained hands back a model in eval mode. Training mode matters: transformers
-    # recomputes layers (--gradient_checkpointing) only in it, and dropout, where a model has any.
-    model.train()
+    model, config, num_params, model_name = _model(args, env, strategy, lora_options)
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, args))
-    out = Path(args.output_dir)
-    log = metrics.MetricsLog(out / "metrics.jsonl") if env.is_main else None
-    say = print if env.is_main else (lambda *a, **k: None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, args))
+    session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
+    say = print if env.is_main else _silent
+    micro_bs, pad_token_id = args.batch_size_per_device, games.tokenizer.pad_token_id
     say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy} on "
-        f"{env.world_size} x {env.device.type} | global batch {sampler.global_batch_size} = "
-        f"{micro_bs} x {mesh.size} ranks x {accum} accumulation | {len(sequences)} games")
+        f"{env.world_size} x {env.device.type} | global batch {games.sampler.global_batch_size} = {micro_bs} x "
+        f"{mesh.size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
-    def legal_rate(when: str) -> float | None:
-        if not prefixes:
-            return None
-        with strategy.autocast():
-            result = legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device)
-        say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
-        return result["legal_move_rate"]
-
-    checkpoints = state.Checkpointer(out, strategy, model, optimizer, scheduler, run, args.checkpoint_format,
-                                     args.save_total_limit, tokenizer)
-    start = 0
-    if resume:  # weights, Adam moments, LR step, RNGs and the metrics of steps 1..start
-        restored = checkpoints.load(resume)
-        start = restored["step"]
-        epoch, offset = restored["position"]
-        say(f"resumed from {resume} at step {start} (data epoch {epoch}, offset {offset})")
-        if log:  # metrics.jsonl becomes steps 1..start: what a killed run logged after them goes
-            for record in restored["records"]:
-                log.write(record)
-        results = {"rate_before": restored["extra"]["rate_before"], "losses": [r["loss"] for r in restored["records"]]}
+    log = metrics.MetricsLog(session.metrics_path) if env.is_main else None
+    restored = _resumed(session, log)  # with --resume: where to go on from, and what the steps before it did
+    if restored:
+        start, results = restored
     else:
-        results = {"rate_before": legal_rate("before training"), "losses": []}
+        start, results = 0, {"rate_before": _legal_rate("before training", model, games, strategy, env, say),
+                             "losses": []}
     strategy.take_comm_bytes()  # count from here: the first step's total starts at zero
     meter = measure.MemoryMeter(env.device, args.trace_memory_every)
+    recorder = metrics.StepRecorder(num_params, config, env.device, env.world_size)
     bar = tqdm(total=args.max_steps, initial=start, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(start, args.max_steps):
         t0 = time.perf_counter()
-        global_ids = sampler.global_batch(step)
-        num_targets = sum(len(sequences[i]) - 1 for i in global_ids)  # every rank can count it
-        micro_batches = []
-        for ids in sampler.micro_batches(step, mesh.rank, mesh.size, micro_bs):
-            batch = batches.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
-            micro_batches.append({name: tensor.to(env.device) for name, tensor in batch.items()})
+        micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.rank,
+                                                            mesh.size, micro_bs, pad_token_id, env.device)
         lr = scheduler.get_last_lr()[0]
         with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
-            loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
+            with around_train_step():  # whatever a caller measures (see `train`); nothing by default
+                loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
             grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
             optimizer.step()
         memory = meter.read(model, optimizer)  # before zero_grad: the gradients are still held
@@ -191,20 +157,10 @@ def _train(args, env) -> dict:
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         step_time = time.perf_counter() - t0
-        tokens = sum(len(sequences[i]) for i in global_ids)
         memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
-        record = {"step": step + 1, "loss": total.item() / num_targets, "lr": lr, "grad_norm": grad_norm,
-                  "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
-                  # the whole step's peak on the rank that used most (None: a CPU step not traced)
-                  "peak_memory_bytes": None if None in memory["peak"] else max(memory["peak"]),
-                  "memory_bytes": memory,  # per rank, lists by rank
-                  # sent by this rank in the step, in all and within/across nodes (comm.py); None for --impl torch
-                  **strategy.take_comm_bytes(split=True)}
-        peak = metrics.peak_flops(env.device)
-        if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
-            mean_len = tokens / len(global_ids)
-            per_token = metrics.flops_per_token(num_params, config.num_hidden_layers, config.hidden_size, mean_len)
-            record["mfu"] = record["tokens_per_s"] * per_token / (peak * env.world_size)
+        lengths = [len(games.sequences[i]) for i in games.sampler.global_batch(step)]
+        record = recorder.record(step + 1, total.item() / num_targets, lr, grad_norm, step_time, lengths, memory,
+                                 strategy.take_comm_bytes(split=True))
         results["losses"].append(record["loss"])
         if log:
             log.write(record)
@@ -212,31 +168,104 @@ def _train(args, env) -> dict:
                 tqdm.write(metrics.format_step(record, args.max_steps))
             bar.update()
             bar.set_postfix(loss=f"{record['loss']:.3f}")
-        preemption.pause_if_asked("step", step + 1)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
-        stop = stop_signals.agreed(env.device, record)  # all ranks vote: all stop after this step (nan: unsaved)
-        if stop or (args.save_steps and (step + 1) % args.save_steps == 0):
-            saved = checkpoints.save(step + 1, sampler.position(step + 1), out / "metrics.jsonl",
-                                     {"rate_before": results["rate_before"]})
-        if stop:
-            results["stopped"] = {"signal": stop_signals.received(), "step": step + 1, "checkpoint": saved}
+        kept = {"rate_before": results["rate_before"]}  # in the checkpoint beside the training state
+        if session.after_step(step + 1, record, games.sampler.position(step + 1), kept):  # saves, votes on a stop
+            results["stopped"] = session.stopped
             break
     bar.close()
-    stop_signals.restore()
-    if "stopped" in results:  # not finished: no evaluation, no final model; the checkpoint has it all
-        if env.is_main:
-            log.close()
-            preemption.say_stopped(results["stopped"]["signal"] or "a peer's signal", step + 1, saved)
-        return results
-    results["rate_after"] = legal_rate("after training")
-    full_state = None if args.no_save else strategy.full_state_dict(model)
-    if env.is_main:
+    session.stop_catching()
+    if log:
         log.close()
-        final_model.write(out, strategy.unwrap(model), full_state, args.save_dtype, args.model, tokenizer,
-                          {k: results[k] for k in ("rate_before", "rate_after")})
-        if full_state is not None:
-            say(f"saved the fine-tuned model to {out / 'model'}")
+    if "stopped" in results:  # not finished: no evaluation, no final model; the checkpoint has it all
+        session.say_stopped()
+        return results
+    results["rate_after"] = _legal_rate("after training", model, games, strategy, env, say)
+    full_state = None if args.no_save else strategy.full_state_dict(model)
+    session.write_final_model(strategy.unwrap(model), full_state, args.save_dtype, args.model, games.tokenizer,
+                              {k: results[k] for k in ("rate_before", "rate_after")})
     results["parameters"] = full_state
     return results
+
+
+def _check(args, env, session: Session):
+    """Everything a learner can get wrong, checked before the expensive model load: the strategy
+    and LoRA's flags, the model's folder, the data, and the checkpoint `--resume` names (in
+    `session`). A mistake ends the run in one line (a UsageError)."""
+    micro_bs, accum = args.batch_size_per_device, args.gradient_accumulation_steps
+    try:
+        strategy = get_strategy(ParallelOptions.from_args(args), env)
+        lora_options = lora.LoraOptions.from_args(args)  # no --lora_rank: a full fine-tune
+        args.model = models.resolve(args.model)
+        model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
+        lora.check(lora_options, args.model)  # its flags, and target modules this model has
+        tokenizer = models.load_tokenizer(args.model)
+        sequences = batches.tokenize_games(jsonl.load_games(args.data), tokenizer, args.max_seq_length)
+        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
+        prefixes = legal_moves.game_prefixes(jsonl.load_games(args.eval_data), args.eval_prefixes, args.seed)
+        # What a checkpoint must share with this run for the resume to be exact (state.verify).
+        session.check_resume({"model": state.model_fingerprint(args.model),
+                              # LoRA's flags too: lora.py
+                              "strategy": f"{args.impl}/{args.strategy}{lora.fingerprint(lora_options)}",
+                              "global_batch_size": sampler.global_batch_size, "seed": args.seed,
+                              "num_examples": len(sequences)})
+    except (FileNotFoundError, NotImplementedError, ValueError) as err:
+        raise UsageError(err) from err
+    return strategy, lora_options, Games(tokenizer, sequences, sampler, prefixes)
+
+
+@dataclass
+class Games:
+    """The chess games as the loop uses them: tokenized, dealt out by step, and the held-out prefixes."""
+
+    tokenizer: object
+    sequences: list[list[int]]  # token ids per game (batches.tokenize_games)
+    sampler: batches.GlobalBatchSampler  # which games form global batch k, and who computes which
+    prefixes: list  # held-out game prefixes for the legal-move rate ([]: --eval_prefixes 0)
+
+
+def _model(args, env, strategy, lora_options: lora.LoraOptions):
+    """The model as the strategy trains it, and what the log says of it: its config, its number of
+    parameters (LoRA's adapters not counted) and its class name."""
+    model = strategy.load_model(args.model)  # minidist FSDP: rank 0 only; the others get shapes
+    config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
+    if lora.enabled(lora_options):  # the base frozen, adapters beside it, the same on every rank (lora.py)
+        model = lora.apply(model, lora_options, args.seed)
+        if env.is_main:
+            print(lora.describe(model))
+    if args.gradient_checkpointing:
+        strategy.checkpoint_activations(model)
+    model = strategy.wrap(model)
+    # from_pretrained hands back a model in eval mode. Training mode matters: transformers
+    # recomputes layers (--gradient_checkpointing) only in it, and dropout, where a model has any.
+    model.train()
+    return model, config, num_params, model_name
+
+
+def _resumed(session: Session, log) -> tuple[int, dict] | None:
+    """With `--resume`: the step to go on from, and the results of the steps before it; the
+    weights, Adam moments, LR step, RNGs and the metrics of steps 1..start come back. Else None."""
+    restored = session.resume()
+    if restored is None:
+        return None
+    if log:  # metrics.jsonl becomes steps 1..start: what a killed run logged after them goes
+        for record in restored["records"]:
+            log.write(record)
+    return restored["step"], {"rate_before": restored["extra"]["rate_before"],
+                              "losses": [record["loss"] for record in restored["records"]]}
+
+
+def _legal_rate(when: str, model, games: Games, strategy, env, say) -> float | None:
+    """The share of legal next moves the model generates on the held-out prefixes (None without any)."""
+    if not games.prefixes:
+        return None
+    with strategy.autocast():
+        result = legal_moves.legal_move_rate(model, games.tokenizer, games.prefixes, env.device)
+    say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
+    return result["legal_move_rate"]
+
+
+def _silent(*args, **kwargs) -> None:
+    """`print` on the other ranks: rank 0 alone speaks."""
 
 
 def main(argv=None) -> None:

@@ -1,8 +1,9 @@
 """One optimizer step, as lessons 03 and 09 teach it: the token-normalised loss, micro-batches, no_sync.
 
-The loop (`finetune.py`) calls `train_step` once per optimizer step; the memory tools
-(`memory/`), the benchmarks (`bench/`), the notebooks and the tests call the very same function,
-so what they measure is what trains.
+The loop (`finetune.py`) calls `assemble_micro_batches` and then `train_step` once per optimizer
+step, and steps the learning rate by `lr_schedule`; the memory tools (`memory/`), the benchmarks
+(`bench/`), the notebooks and the tests call the very same functions, so what they measure is
+what trains.
 
 Why the loss is a *sum* divided by the global batch's target count, not a mean per micro-batch:
 chess games have different lengths, and averaging per micro-batch would weigh a token in a short
@@ -17,6 +18,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from minidist.batches import GlobalBatchSampler, collate
+
 
 def lr_schedule(step: int, args) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak: a multiplier for LambdaLR."""
@@ -24,6 +27,23 @@ def lr_schedule(step: int, args) -> float:
         return (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def assemble_micro_batches(sampler: GlobalBatchSampler, sequences: list[list[int]], step: int, rank: int,
+                           world_size: int, micro_batch_size: int, pad_token_id: int,
+                           device: torch.device) -> tuple[list[dict], int]:
+    """This rank's micro-batches of optimizer step `step`, collated and on `device`, and the number
+    of target tokens in the whole global batch: what `train_step` takes.
+
+    The sampler knows every rank's share of the global batch (`batches.py`), so every rank counts
+    the whole batch's targets itself, with no communication: a sequence of n tokens has n - 1
+    targets, as position t predicts token t + 1."""
+    num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))  # every rank can count it
+    micro_batches = []
+    for ids in sampler.micro_batches(step, rank, world_size, micro_batch_size):
+        batch = collate([sequences[i] for i in ids], pad_token_id)
+        micro_batches.append({name: tensor.to(device) for name, tensor in batch.items()})
+    return micro_batches, num_targets
 
 
 def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:

@@ -38,11 +38,12 @@ def as_flags(run: dict) -> list[str]:
     return argv
 
 
-def run(argv: list[str]) -> dict:
+def run(argv: list[str], around_train_step=None) -> dict:
     """`finetune.train` with ARGV and a fresh `--output_dir`, on every rank. Returns what it
     returned (`result`: losses, and the full weights on rank 0 unless `--no_save`), the records of
     its metrics.jsonl (`records`, on rank 0; [] on the others), the lines it printed on this rank
-    (`log`) and its wall time (`seconds`: loading, evaluations and steps)."""
+    (`log`) and its wall time (`seconds`: loading, evaluations and steps). `around_train_step` is
+    passed on to `finetune.train`: a measurement's way into every step (`workers_06.py`)."""
     with tempfile.TemporaryDirectory() as out:
         shared = [out]  # every rank needs the same folder name: rank 0 picks it, the others follow
         dist.broadcast_object_list(shared, src=0)
@@ -50,7 +51,7 @@ def run(argv: list[str]) -> dict:
         printed = io.StringIO()  # returned, so the notebook shows one run's log, not every rank's
         started = time.perf_counter()
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-            result = finetune.train(args)
+            result = finetune.train(args, around_train_step)
         seconds = time.perf_counter() - started
         dist.barrier()  # rank 0 has written and closed metrics.jsonl
         log = Path(shared[0]) / "metrics.jsonl"

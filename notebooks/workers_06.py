@@ -16,23 +16,22 @@ them alike instead of whichever happened to run then; `median_spread` summarises
 
 import statistics
 import time
-
-from minidist import finetune
+from contextlib import contextmanager
+from functools import partial
 
 import training
 
 
-def _cpu_timed(train_step, seconds: list):
-    """`finetune.train_step` (forward and backward of one step), recording the CPU seconds this
-    process spent in it. The loop's `step_time_s` is wall time: on a laptop shared with other work
-    it also counts the time the rank waited for a core. CPU time counts only the work done (the
+@contextmanager
+def _cpu_timed(seconds: list):
+    """Around each step's `train_step` (its forward and backward), where the loop lets a caller in
+    (`finetune.train`'s `around_train_step`): append the CPU seconds this process spent in it to
+    `seconds`. The loop's `step_time_s` is wall time: on a laptop shared with other work it also
+    counts the time the rank waited for a core. CPU time counts only the work done (the
     recomputation included), so it compares checkpointed and stored runs more steadily."""
-    def timed(*args, **kwargs):
-        t0 = time.process_time()
-        loss = train_step(*args, **kwargs)
-        seconds.append(time.process_time() - t0)
-        return loss
-    return timed
+    started = time.process_time()
+    yield
+    seconds.append(time.process_time() - started)
 
 
 def in_rounds(runs: dict, rounds: int, steps: int, common: list[str]) -> dict:
@@ -47,12 +46,9 @@ def in_rounds(runs: dict, rounds: int, steps: int, common: list[str]) -> dict:
     results = {name: [] for name in runs}
     for _ in range(rounds):
         for name, extra in runs.items():
-            cpu_s, train_step = [], finetune.train_step
-            finetune.train_step = _cpu_timed(train_step, cpu_s)  # the loop looks it up at each step
-            try:
-                done = training.run([*common, *extra, "--max_steps", str(steps), "--no_save"])
-            finally:
-                finetune.train_step = train_step
+            cpu_s = []
+            done = training.run([*common, *extra, "--max_steps", str(steps), "--no_save"],
+                                around_train_step=partial(_cpu_timed, cpu_s))
             results[name].append({"records": done["records"], "cpu_s": cpu_s, "log": done["log"]})
     return results
 

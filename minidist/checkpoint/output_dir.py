@@ -37,11 +37,11 @@ LOCK = "minidist.lock"
 
 
 @contextmanager
-def claimed(args, is_main: bool):
-    """`with claimed(args, is_main):` this run owns `args.output_dir` (see module doc). Every rank
+def claimed(output_dir, is_main: bool, resume: str | None = None, overwrite: bool = False):
+    """`with claimed(output_dir, is_main, resume, overwrite):` this run owns `output_dir` (see module
+    doc); `resume` and `overwrite` are the run's `--resume` and `--overwrite_output_dir`. Every rank
     enters it; rank 0 checks and locks, and tells the others: all of them refuse together, or none."""
-    out, problem, locked = Path(args.output_dir), None, False
-    resume, overwrite = args.resume, args.overwrite_output_dir
+    out, problem, locked = Path(output_dir), None, False
     if is_main:
         try:
             problem = _lock(out)

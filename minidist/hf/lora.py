@@ -6,16 +6,16 @@ matrices, W + (alpha / r) B A, with A (r x d_in) and B (d_out x r). A starts ran
 uniform, as `nn.Linear` does) and B at zero, so training starts from the pretrained model exactly.
 The `peft` library does the surgery: `get_peft_model(model, LoraConfig(...))` puts a
 `lora_A`/`lora_B` pair beside every target linear layer (`q_proj`, ...) and sets
-`requires_grad=False` on every other parameter. This module builds that config from the flags,
-checks them, and counts what LoRA costs.
+`requires_grad=False` on every other parameter. This module reads the flags into its own options
+(`LoraOptions`), checks them, builds that config from them, and counts what LoRA costs.
 
 **What it saves: memory.** A full fine-tune with mixed-precision AdamW holds 16 bytes per
 parameter (`memory/estimator.py`). With LoRA only the P_lora adapter parameters are trained: they
 alone have gradients, fp32 masters and Adam moments, and the P frozen base parameters are only
 computed with. So about 2P (a bf16 base) + 16 P_lora; for CodeLlama-7b at rank 16 on q, k, v, o:
 2 x 6.74e9 + 16 x 16.8e6 = 13.5 + 0.27 GB instead of 108 GB (`memory/lora_terms.py` counts
-P_lora exactly and puts it in the estimate). Gradients and activations still flow
-through the frozen layers: backward needs the frozen weights to pass the gradient down.
+P_lora exactly and puts it in the estimate). Gradients and activations still flow through the
+frozen layers: backward needs the frozen weights to pass the gradient down.
 
 **Under every strategy.** Frozen parameters are never reduced and never stepped: PyTorch's DDP
 and FSDP2 skip them, the hand-written DDP and ZeRO put only trainable parameters in their buckets
@@ -37,6 +37,7 @@ MB instead of 13.5 GB: `PeftModel.from_pretrained(base, folder)` loads it onto t
 """
 
 import argparse
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -56,26 +57,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora_dropout", type=float, default=None, help="dropout on the adapters' input (default 0)")
 
 
-def enabled(args) -> bool:
-    return getattr(args, "lora_rank", None) is not None
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA's flags, as given (`add_arguments`): `rank` None is a full fine-tune. The loop builds
+    them once from its flags (`from_args`), the memory command from its own; nothing here reads
+    an argparse Namespace after that."""
+
+    rank: int | None = None
+    alpha: float | None = None  # None: 2 x rank
+    target_modules: str | None = None  # comma-separated, or "all-linear"; None: DEFAULT_TARGETS
+    dropout: float | None = None  # None: 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "LoraOptions":
+        """The options from parsed flags; a parser without a flag (the memory command has no
+        --lora_alpha) leaves it at its default."""
+        return cls(**{f.name: getattr(args, f"lora_{f.name}", None) for f in fields(cls)})
 
 
-def check(args, name_or_path: str | None = None) -> None:
+def enabled(options: LoraOptions) -> bool:
+    return options.rank is not None
+
+
+def check(options: LoraOptions, name_or_path: str | None = None) -> None:
     """Raise ValueError, in one line naming the flag, for LoRA flags that cannot run (with the
     model's folder: also a target module it does not have, seen on its meta-device build)."""
-    if not enabled(args):
-        for name in ("lora_alpha", "lora_target_modules", "lora_dropout"):
-            if getattr(args, name, None) is not None:
-                raise ValueError(f"--{name} needs --lora_rank (without it the whole model is fine-tuned)")
+    if not enabled(options):
+        for name in ("alpha", "target_modules", "dropout"):
+            if getattr(options, name) is not None:
+                raise ValueError(f"--lora_{name} needs --lora_rank (without it the whole model is fine-tuned)")
         return
-    if args.lora_rank < 1:
-        raise ValueError(f"--lora_rank must be at least 1, got {args.lora_rank} (leave it out for a full fine-tune)")
-    alpha, dropout = getattr(args, "lora_alpha", None), getattr(args, "lora_dropout", None)  # (not the estimator's)
-    if alpha is not None and not alpha > 0:
-        raise ValueError(f"--lora_alpha must be more than 0, got {alpha}")
-    if dropout is not None and not 0 <= dropout < 1:
-        raise ValueError(f"--lora_dropout must be in [0, 1), got {dropout}")
-    if not targets(args):
+    if options.rank < 1:
+        raise ValueError(f"--lora_rank must be at least 1, got {options.rank} (leave it out for a full fine-tune)")
+    if options.alpha is not None and not options.alpha > 0:
+        raise ValueError(f"--lora_alpha must be more than 0, got {options.alpha}")
+    if options.dropout is not None and not 0 <= options.dropout < 1:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {options.dropout}")
+    if not targets(options):
         raise ValueError("--lora_target_modules names no module")
     if name_or_path is not None:
         from transformers import AutoModelForCausalLM
@@ -83,54 +101,54 @@ def check(args, name_or_path: str | None = None) -> None:
         from minidist.hf.models import load_config
 
         with torch.device("meta"):
-            check_targets(AutoModelForCausalLM.from_config(load_config(name_or_path)), args)
+            check_targets(AutoModelForCausalLM.from_config(load_config(name_or_path)), options)
 
 
-def fingerprint(args) -> str:
+def fingerprint(options: LoraOptions) -> str:
     """What a checkpoint must share with a run that resumes it (`state.verify`): "" without LoRA."""
-    if not enabled(args):
+    if not enabled(options):
         return ""
-    t = targets(args)
-    return (f" + LoRA r={args.lora_rank} alpha={args.lora_alpha or 2 * args.lora_rank} on "
-            f"{t if isinstance(t, str) else ','.join(t)}")
+    modules = targets(options)
+    return (f" + LoRA r={options.rank} alpha={options.alpha or 2 * options.rank} on "
+            f"{modules if isinstance(modules, str) else ','.join(modules)}")
 
 
-def targets(args) -> list[str] | str:
-    given = args.lora_target_modules or DEFAULT_TARGETS
+def targets(options: LoraOptions) -> list[str] | str:
+    given = options.target_modules or DEFAULT_TARGETS
     if given.strip() == "all-linear":
         return "all-linear"
-    return [t.strip() for t in given.split(",") if t.strip()]
+    return [name.strip() for name in given.split(",") if name.strip()]
 
 
-def config(args):
-    """peft's `LoraConfig` for these flags."""
+def config(options: LoraOptions):
+    """peft's `LoraConfig` for these options."""
     from peft import LoraConfig
 
-    rank = args.lora_rank
-    return LoraConfig(r=rank, lora_alpha=args.lora_alpha or 2 * rank, lora_dropout=args.lora_dropout or 0.0,
-                      target_modules=targets(args), bias="none", task_type="CAUSAL_LM")
+    rank = options.rank
+    return LoraConfig(r=rank, lora_alpha=options.alpha or 2 * rank, lora_dropout=options.dropout or 0.0,
+                      target_modules=targets(options), bias="none", task_type="CAUSAL_LM")
 
 
-def check_targets(model: nn.Module, args) -> None:
+def check_targets(model: nn.Module, options: LoraOptions) -> None:
     """Raise ValueError naming a target module the model does not have (peft would raise a long one)."""
-    wanted = targets(args)
+    wanted = targets(options)
     if wanted == "all-linear":
         return
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    missing = [t for t in wanted if t not in names]
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    missing = [name for name in wanted if name not in names]
     if missing:
         raise ValueError(f"--lora_target_modules: {type(model).__name__} has no linear layer named "
                          f"{', '.join(missing)} (it has {', '.join(sorted(names))})")
 
 
-def apply(model: nn.Module, args, seed: int) -> nn.Module:
+def apply(model: nn.Module, options: LoraOptions, seed: int) -> nn.Module:
     """The model with LoRA adapters (a `PeftModel`): base frozen, adapters trainable, A drawn under `seed`."""
     from peft import get_peft_model
 
-    check_targets(model, args)
+    check_targets(model, options)
     with torch.random.fork_rng(devices=[]):  # the rank's own RNG is left as it was
         torch.manual_seed(seed)
-        return get_peft_model(model, config(args))
+        return get_peft_model(model, config(options))
 
 
 def describe(model: nn.Module) -> str:

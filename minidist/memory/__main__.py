@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     with one_line_errors("minidist.memory", ValueError, NotImplementedError, FileNotFoundError):
         sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend", "padded",
                  "target_length")
-        lora.check(args)  # --lora_rank 0: one line, as in the loop
+        lora.check(lora.LoraOptions.from_args(args))  # --lora_rank 0: one line, as in the loop
         setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options, lora_rank=args.lora_rank or 0,
                                 lora_target_modules=args.lora_target_modules, lora_dropout=args.lora_dropout or 0.0)
         gpu_memory = report.parse_bytes(args.gpu_memory) if args.gpu_memory else None

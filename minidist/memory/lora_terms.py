@@ -36,7 +36,6 @@ from minidist.memory import moments
 def _lora_counts(config_json: str, config_class, rank: int, targets: str | None) -> tuple:
     """Of the adapter tensors peft would add (A is (r, d_in), B (d_out, r)): (dim 0, numel) of each;
     the adapters' parameters in each decoder layer (an FSDP unit), in order; and in the output layer."""
-    import argparse
     import json
 
     import torch
@@ -44,11 +43,11 @@ def _lora_counts(config_json: str, config_class, rank: int, targets: str | None)
     from minidist.hf import lora
     from minidist.memory import trace
 
-    args = argparse.Namespace(lora_rank=rank, lora_alpha=None, lora_dropout=None, lora_target_modules=targets)
+    options = lora.LoraOptions(rank=rank, target_modules=targets)
     with torch.device("meta"):
         model = trace.model_class(config_class).from_config(config_class.from_dict(json.loads(config_json)))
-    lora.check_targets(model, args)
-    model = lora.apply(model, args, seed=0)  # meta: nothing is drawn
+    lora.check_targets(model, options)
+    model = lora.apply(model, options, seed=0)  # meta: nothing is drawn
     base = model.get_base_model()  # peft put the adapters inside it, in place
 
     def trained(module) -> int:
@@ -152,7 +151,6 @@ def adapt(key: tuple, mode: str):
     upcast them to fp32, and cast each input to fp32 for them), on the model's device: so peft's
     moves to the base layer's device and dtype (`Module.to`) change nothing and are left out, on
     fake tensors as on real ones (`Module._apply` would swap a fake parameter, which it refuses)."""
-    import argparse
     from unittest import mock
 
     import torch
@@ -161,15 +159,15 @@ def adapt(key: tuple, mode: str):
     from minidist.hf import lora
 
     rank, targets, dropout = key
-    args = argparse.Namespace(lora_rank=rank, lora_alpha=None, lora_dropout=dropout, lora_target_modules=targets)
+    options = lora.LoraOptions(rank=rank, target_modules=targets, dropout=dropout)
 
     def with_adapters(model):
-        lora.check_targets(model, args)
+        lora.check_targets(model, options)
         default = torch.get_default_dtype()
         with mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
             torch.set_default_dtype(torch.bfloat16 if mode == "bf16" else torch.float32)
             try:
-                return get_peft_model(model, lora.config(args), autocast_adapter_dtype=False)
+                return get_peft_model(model, lora.config(options), autocast_adapter_dtype=False)
             finally:
                 torch.set_default_dtype(default)
     return with_adapters

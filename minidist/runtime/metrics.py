@@ -52,6 +52,36 @@ class MetricsLog:
         self.file.close()
 
 
+class StepRecorder:
+    """One record per optimizer step, a line of `metrics.jsonl`: what the step did, took, held and
+    sent, and on a GPU whose peak we know, its MFU (module doc). Built once per run with what stays
+    the same: the model's size and shape, the device and the number of ranks."""
+
+    def __init__(self, num_params: int, config, device: torch.device, world_size: int):
+        self.num_params, self.config, self.device, self.world_size = num_params, config, device, world_size
+
+    def record(self, step: int, loss: float, lr: float, grad_norm, step_time: float, lengths: list[int],
+               memory: dict, comm_bytes: dict) -> dict:
+        """Step `step`'s record. `lengths`: the token count of each sequence in the global batch;
+        `memory`: every rank's figures (`memory/measure.py`, `gather`); `comm_bytes`: what this rank
+        sent (`Strategy.take_comm_bytes`)."""
+        tokens = sum(lengths)
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
+                  # the whole step's peak on the rank that used most (None: a CPU step not traced)
+                  "peak_memory_bytes": None if None in memory["peak"] else max(memory["peak"]),
+                  "memory_bytes": memory,  # per rank, lists by rank
+                  # sent by this rank in the step, in all and within/across nodes (comm.py); None for --impl torch
+                  **comm_bytes}
+        peak = peak_flops(self.device)
+        if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
+            mean_len = tokens / len(lengths)
+            per_token = flops_per_token(self.num_params, self.config.num_hidden_layers, self.config.hidden_size,
+                                        mean_len)
+            record["mfu"] = record["tokens_per_s"] * per_token / (peak * self.world_size)
+        return record
+
+
 def format_step(record: dict, max_steps: int) -> str:
     line = (f"step {record['step']:>4}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"{record['step_time_s']:.2f} s | {record['tokens_per_s']:,.0f} tok/s")

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -199,27 +198,26 @@ def test_weights_that_are_not_finite_are_never_saved(tiny_model, tmp_path):
 def test_a_lock_is_taken_over_only_when_stale(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    settings = Namespace(output_dir=str(out), resume=None, overwrite_output_dir=False)
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid is now no process's (for the moment this test needs)
     (out / output_dir.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid}))
-    with output_dir.claimed(settings, is_main=True):
+    with output_dir.claimed(out, is_main=True):
         assert json.loads((out / output_dir.LOCK).read_text())["pid"] == os.getpid()
     assert not (out / output_dir.LOCK).exists()
     # Another host's run cannot be checked from here: refused, and its lock left as it was...
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     (out / output_dir.LOCK).write_text(json.dumps({"host": "another-node", "pid": 1234, "job": "41"}))
     with pytest.raises(UsageError, match="in use by a live run \\(pid 1234 on host another-node"):
-        with output_dir.claimed(settings, is_main=True):
+        with output_dir.claimed(out, is_main=True):
             pass
     assert json.loads((out / output_dir.LOCK).read_text())["host"] == "another-node"
     # ...unless it is an earlier start of this very job, requeued (on another node, maybe).
     (out / output_dir.LOCK).write_text(json.dumps({"host": "another-node", "pid": 1234, "job": "42"}))
-    with output_dir.claimed(settings, is_main=True):
+    with output_dir.claimed(out, is_main=True):
         assert json.loads((out / output_dir.LOCK).read_text())["host"] == socket.gethostname()
     # A save cut short (a job killed in its first save restarts without --resume) is no other run's.
     (out / "checkpoint-4.tmp").mkdir()
-    with output_dir.claimed(settings, is_main=True):
+    with output_dir.claimed(out, is_main=True):
         pass
 
 

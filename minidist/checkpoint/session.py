@@ -1,0 +1,106 @@
+"""One run's checkpoints and stop signals, from the claim of its folder to its final model.
+
+The loop (`finetune.py`) asks five things of this wing (lesson 08), and `Session` answers them in
+the order a run meets them:
+
+1. **The folder.** `with Session(...):` the output folder is this run's alone (`output_dir.py`:
+   the lock, another run's checkpoints refused), and the handlers the stop signals had before are
+   put back on the way out, even when an error ends the run (`preemption.handlers_kept`).
+2. **The checkpoint to resume**, found and verified before the model loads (`check_resume`, with
+   `state.find` and `state.verify`): a wrong one costs one line, not a model load.
+3. **The stop signals**, caught from then on (`catch_stop_signals`: `preemption.StopSignals`).
+4. **After every step** (`after_step`) the ranks vote on a stop, and save a checkpoint together
+   every `--save_steps` and when any of them was asked to stop (`state.Checkpointer`).
+5. **At the end**, the fine-tuned model (`write_final_model`: `final_model.py`); or, when a signal
+   stopped the run, the line that says which checkpoint holds it all (`say_stopped`).
+"""
+
+from contextlib import ExitStack
+from pathlib import Path
+
+from minidist.checkpoint import final_model, preemption, state
+from minidist.checkpoint.output_dir import claimed
+
+
+class Session:
+    """The output folder, checkpoints and stop signals of one run on this rank (see module doc)."""
+
+    def __init__(self, output_dir, env, resume: str | None = None, overwrite: bool = False, save_steps: int = 0,
+                 keep: int = 2, form: str = "sharded"):
+        self.out, self.env = Path(output_dir), env
+        self.metrics_path = self.out / "metrics.jsonl"  # the loop writes it; a checkpoint keeps a copy
+        self.resume_from, self.overwrite = resume, overwrite  # --resume, --overwrite_output_dir
+        self.save_steps, self.keep, self.form = save_steps, keep, form  # --save_steps, --save_total_limit, ...
+        self.run = self.resume_path = self.stop_signals = self.checkpoints = None
+        self.stopped = None  # after a stop: the signal, the step and the checkpoint saved
+        self._held = ExitStack()
+
+    def __enter__(self) -> "Session":
+        self._held.enter_context(claimed(self.out, self.env.is_main, self.resume_from, self.overwrite))
+        self._held.enter_context(preemption.handlers_kept())
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self._held.__exit__(*exc)
+
+    def check_resume(self, run: dict) -> None:
+        """Keep `run`, what a checkpoint must share with this run for a resume to be exact (the
+        fingerprint `state.verify` compares); with `--resume`, find and verify the checkpoint now.
+        Raises ValueError, in one line, for one that cannot be resumed."""
+        self.run = run
+        if self.resume_from:
+            self.resume_path = state.verify(state.find(self.resume_from, self.out), run)
+
+    def catch_stop_signals(self) -> None:
+        """From here SIGTERM, SIGUSR1 and SIGINT (or the stop file) mean: save after this step, stop."""
+        self.stop_signals = preemption.StopSignals()
+
+    def follow(self, strategy, model, optimizer, scheduler, tokenizer) -> None:
+        """What a checkpoint saves and a resume loads: the model, its optimizer and scheduler."""
+        self.checkpoints = state.Checkpointer(self.out, strategy, model, optimizer, scheduler, self.run, self.form,
+                                              self.keep, tokenizer)
+
+    def resume(self) -> dict | None:
+        """With `--resume`: load the checkpoint into the model, optimizer, scheduler and RNGs, say so
+        on rank 0, and return its step, data position, metrics records and `extra`
+        (`Checkpointer.load`). Without: None."""
+        if self.resume_path is None:
+            return None
+        restored = self.checkpoints.load(self.resume_path)
+        epoch, offset = restored["position"]
+        if self.env.is_main:
+            print(f"resumed from {self.resume_path} at step {restored['step']} (data epoch {epoch}, offset {offset})")
+        return restored
+
+    def after_step(self, step: int, record: dict, position, extra: dict) -> bool:
+        """Every rank calls it after every step (`step` counts from 1, as the records do), with the
+        data position of the next step and what the checkpoint keeps besides the state (`extra`).
+        Saves when `--save_steps` says so or any rank was asked to stop; True: stop now."""
+        preemption.pause_if_asked("step", step)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
+        # All ranks vote: all stop after this step (a nan loss or gradient: they stop unsaved, in one line).
+        stop = self.stop_signals.agreed(self.env.device, record)
+        if stop or (self.save_steps and step % self.save_steps == 0):
+            saved = self.checkpoints.save(step, position, self.metrics_path, extra)
+        if stop:
+            self.stopped = {"signal": self.stop_signals.received(), "step": step, "checkpoint": saved}
+        return stop
+
+    def stop_catching(self) -> None:
+        """Put back the handlers the stop signals had before `catch_stop_signals`."""
+        self.stop_signals.restore()
+
+    def say_stopped(self) -> None:
+        """On rank 0, after a stop: which signal, after which step, and the checkpoint that was saved."""
+        if self.env.is_main:
+            preemption.say_stopped(self.stopped["signal"] or "a peer's signal", self.stopped["step"],
+                                   self.stopped["checkpoint"])
+
+    def write_final_model(self, model, full_state: dict | None, dtype_choice: str, name_or_path: str, tokenizer,
+                          rates: dict) -> None:
+        """On rank 0: `eval.json` and, unless `full_state` is None (`--no_save`), the fine-tuned model
+        in `model/` (`final_model.write`; a full disk ends the run in one line)."""
+        if not self.env.is_main:
+            return
+        final_model.write(self.out, model, full_state, dtype_choice, name_or_path, tokenizer, rates)
+        if full_state is not None:
+            print(f"saved the fine-tuned model to {self.out / 'model'}")
