@@ -61,7 +61,7 @@ class StopSignals:
     def __init__(self):
         global _received
         _received = None
-        self._previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+        self._previous = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
         self.stop_file = os.environ.get(STOP_FILE) or None
         self._file_seen = False
 
@@ -80,8 +80,9 @@ class StopSignals:
         this step's save, one line. They vote because a gradient norm can be one rank's own."""
         loss, norm = (record["loss"], float(record["grad_norm"])) if record else (0.0, 0.0)
         self._file_seen = self._file_seen or bool(self.stop_file and os.path.exists(self.stop_file))
-        vote = torch.tensor([1 if _received or self._file_seen else 0, 0 if math.isfinite(loss) and math.isfinite(norm) else 1],
-                            device=device)
+        asked = bool(_received) or self._file_seen
+        diverged = not (math.isfinite(loss) and math.isfinite(norm))
+        vote = torch.tensor([int(asked), int(diverged)], device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         if vote[1].item():
             raise UsageError(f"training diverged: step {record['step']} has loss {loss} and gradient norm {norm}; "
@@ -91,8 +92,8 @@ class StopSignals:
 
     def restore(self) -> None:
         """Put back the handlers there were before."""
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager
@@ -100,12 +101,12 @@ def handlers_kept():
     """`with handlers_kept():` the handlers of the stop signals are put back on the way out, even when
     an error ends the run between `StopSignals()` and its `restore()` (a process that lives on, a
     notebook or a test, must get its own Ctrl-C back)."""
-    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def say_stopped(signal_name: str, step: int, checkpoint) -> None:

@@ -17,32 +17,41 @@ numbers. So a checkpoint holds the whole training state, not just the model:
 folder (`checkpoint-N/model`, which `from_pretrained` loads), with the optimizer consolidated
 into one `optimizer.pt`: portable, but rank 0 must hold everything (for 7B with AdamW: 81 GB of
 CPU memory). Under LoRA that folder is the adapter alone (`PeftModel.from_pretrained` loads it);
-a resume takes the frozen base from the model it loaded, as the first run did (`lora.py`). A *sharded* checkpoint lets each rank write only its own shard with PyTorch's
-distributed checkpoint (DCP, `torch.distributed.checkpoint`): no rank ever holds the full state,
-all ranks write at once, and DCP records which slice of which tensor each file holds, so a
-different world size reads the slices it needs (resharding). To get one file out of it anyway:
+a resume takes the frozen base from the model it loaded, as the first run did (`lora.py`). A
+*sharded* checkpoint lets each rank write only its own shard with PyTorch's distributed
+checkpoint (DCP, `torch.distributed.checkpoint`): no rank ever holds the full state, all ranks
+write at once, and DCP records which slice of which tensor each file holds, so a different world
+size reads the slices it needs (resharding). To get one file out of it anyway:
 `python -m torch.distributed.checkpoint.format_utils dcp_to_torch CHECKPOINT/dcp state.pt`.
 
 Both forms get and set the state through `strategy.get_state_dict` / `set_state_dict`, which
 default to PyTorch's `torch.distributed.checkpoint.state_dict` helpers (they understand plain
 modules, DDP and FSDP2; FSDP2 saves one DTensor per parameter). The hand-written ZeRO and FSDP
-hand out their flat shards instead (`parallel/flat_state.py`): one DTensor per *flat* (a bucket or a
-unit, `DTensor.from_local`, `Shard(0)`), and take them back; DCP then saves and reshards them
-like FSDP2's, and nothing here changes.
+hand out their flat shards instead (`parallel/flat_state.py`): one DTensor per *flat* (a bucket
+or a unit, `DTensor.from_local`, `Shard(0)`), and take them back; DCP then saves and reshards
+them like FSDP2's, and nothing here changes.
 
 **Atomic.** A save writes `checkpoint-N.tmp/`; every rank fsyncs its files; the ranks compare
 outcomes (a full disk fails the save on all of them, and the `.tmp` goes: `save_errors.py`); the
-ranks hash the files together (`checksums.py`); then rank 0 writes `checkpoint.json` (the manifest:
-what the checkpoint holds, every file's size and checksum, and a checksum of the manifest itself)
-and publishes with one `os.rename` to `checkpoint-N`, then replaces the `latest` pointer (a text
-file naming the folder) by the same write-then-rename. A kill at any moment leaves `latest` naming
-a complete checkpoint; `verify` refuses one whose bytes changed since. A rename is atomic within
-one file system; that is why nothing is ever published by writing in place. Only the newest K
-checkpoints are kept (`--save_total_limit`).
+ranks hash the files together (`checksums.py`); then rank 0 writes `checkpoint.json` (the
+manifest: what the checkpoint holds, every file's size and checksum, and a checksum of the
+manifest itself) and publishes with one `os.rename` to `checkpoint-N`, then replaces the `latest`
+pointer (a text file naming the folder) by the same write-then-rename. A rename is atomic within
+one file system; that is why nothing is ever published by writing in place. So a kill at any
+moment leaves `latest` naming either the checkpoint it named before the save or the new one,
+never half a name, and both complete; `verify` refuses a checkpoint whose bytes changed since.
+Only the newest K checkpoints are kept (`--save_total_limit`), removed after `latest` moved on.
+
+One exception. A run resumed from an older checkpoint can reach a step it had saved before: its
+save then renames the old `checkpoint-N` aside to `checkpoint-N.replaced` first, and the new one
+to `checkpoint-N` second. A kill between those two renames, while `latest` still names the old
+`checkpoint-N`, leaves it naming a folder that is not there (`find` says so, in one line); the
+old checkpoint is still whole under its `.replaced` name.
+
 On several nodes, `--output_dir` must be a file system they all share, as DCP assumes too.
 
-When a save happens is the loop's business: every `--save_steps`, and when the cluster asks the
-run to stop (`preemption.py`).
+When a save happens is the session's business (`session.py`), asked by the loop after every step:
+every `--save_steps`, and when the cluster asks the run to stop (`preemption.py`).
 """
 
 import hashlib
@@ -224,9 +233,9 @@ class Checkpointer:
                 attempt(lambda: _write(tmp / "optimizer.pt", optim_sd))
         del model_sd, optim_sd
         if self.env.is_main:
-            lines = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= step]
+            lines = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
             attempt(lambda: _write(tmp / "scheduler.pt", self.scheduler.state_dict()))
-            attempt(lambda: _write(tmp / "metrics.jsonl", "".join(l + "\n" for l in lines), text=True))
+            attempt(lambda: _write(tmp / "metrics.jsonl", "".join(line + "\n" for line in lines), text=True))
         pause_if_asked("save", step)
         # Every rank has written (or failed): only if all succeeded may rank 0 publish.
         save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
