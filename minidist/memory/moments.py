@@ -38,64 +38,74 @@ from minidist.parallel.zero import STEP_BYTES
 def buckets(param_numels: list[int], cap_bytes: int) -> list[int]:
     """Elements per bucket, as `zero.ZeroDP` packs them: in reverse registration order (roughly
     backward's), fp32, at most `cap_bytes` (a larger parameter gets a bucket of its own)."""
-    metas = [torch.empty(n, device="meta") for n in reversed(param_numels)]
-    return [sum(p.numel() for p in run) for run in pack_buckets(metas, cap_bytes)]
+    metas = [torch.empty(numel, device="meta") for numel in reversed(param_numels)]
+    return [sum(meta.numel() for meta in run) for run in pack_buckets(metas, cap_bytes)]
 
 
-def _shard(numel: int, n: int) -> int:
-    return -(-numel // n)
+def _shard(numel: int, ranks: int) -> int:
+    """Elements of one rank's shard of a flat of `numel`: ceil(numel / ranks), the last one padded."""
+    return -(-numel // ranks)
 
 
-def moments(s, setup, states: dict, acts: dict, whole=None) -> dict:
-    """{moment: {term: bytes}} for one rank; the peak is the largest sum. `s` is the shape of what
-    is trained (LoRA: the adapters, `lora_terms.trained_shape`), `whole` the model's (FSDP's gathers)."""
-    o, n, P = setup.options, setup.world_size, s.num_params
-    k, impl = o.strategy, o.impl
-    gloo = setup.backend == "gloo" and n > 1  # gloo's copies (one rank sends nothing: comm.py copies locally)
-    bf16 = o.mixed_precision == "bf16"
-    c = 2 if bf16 and k != "ddp" else 4  # bytes of what is computed with (DDP: autocast over fp32 weights)
+def moments(shape, setup, states: dict, acts: dict, whole=None) -> dict:
+    """{moment: {term: bytes}} for one rank; the peak is the largest sum. `shape` is the shape of
+    what is trained (LoRA: the adapters, `lora_terms.trained_shape`), `whole` the model's (FSDP's
+    gathers)."""
+    options, ranks, num_params = setup.options, setup.world_size, shape.num_params
+    strategy, impl = options.strategy, options.impl
+    gloo = setup.backend == "gloo" and ranks > 1  # gloo's copies (one rank sends nothing: comm.py copies locally)
+    bf16 = options.mixed_precision == "bf16"
+    # Bytes per element of what is computed with (DDP: autocast over fp32 weights).
+    compute_bytes = 2 if bf16 and strategy != "ddp" else 4
     accum = setup.gradient_accumulation_steps > 1
     kept = {"parameters": states["parameters"], "optimizer_states": states["optimizer_states"]}
     forward_acts = acts["saved"] + acts["weight_copies"] + max(acts["recompute"], acts["logits"])
     at = {}
-    if k == "ddp":
-        naive = impl == "minidist" and o.value("ddp_variant") == "naive"
+    if strategy == "ddp":
+        naive = impl == "minidist" and options.value("ddp_variant") == "naive"
         if not naive:
-            kept["buckets"] = 4 * P  # one fp32 copy of every gradient, from the wrap on
-        at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": 4 * P if accum else 0}
+            kept["buckets"] = 4 * num_params  # one fp32 copy of every gradient, from the wrap on
+        at["forward"] = {**kept, "activations": forward_acts,
+                         "accumulated gradients": 4 * num_params if accum else 0}
         # A weight used twice (an embedding tied to the output layer) gets a second whole gradient
         # from the embedding's backward, the last; autograd's sum of the two is a third tensor
-        # until it replaces the first (a bucket view cannot be added into in place): 8 bytes an element.
-        at["backward"] = {**kept, "gradients": 4 * P, "tied weight's second gradient": 8 * s.tied_params}
+        # until it replaces the first (a bucket view cannot be added into in place): 8 bytes an
+        # element.
+        at["backward"] = {**kept, "gradients": 4 * num_params, "tied weight's second gradient": 8 * shape.tied_params}
         # PyTorch's DDP keeps the gradients beside the buckets; minidist's become views of them.
-        grads = 0 if impl == "minidist" and not naive else 4 * P
-        at["step"] = {**kept, "gradients": grads, "optimizer step temporary": 4 * P}
-    elif k in ("zero1", "zero2"):
-        w = 2 if bf16 else 4  # the model's own weights and gradients: bf16 under mixed precision
-        sizes = buckets([numel for _, numel in s.param_rows], int(o.value("bucket_cap_mb") * 2**20))
+        grads = 0 if impl == "minidist" and not naive else 4 * num_params
+        at["step"] = {**kept, "gradients": grads, "optimizer step temporary": 4 * num_params}
+    elif strategy in ("zero1", "zero2"):
+        weight_bytes = 2 if bf16 else 4  # the model's own weights and gradients: bf16 under mixed precision
+        sizes = buckets([numel for _, numel in shape.param_rows], int(options.value("bucket_cap_mb") * 2**20))
         cast = 4 if bf16 else 0  # a bf16 gradient cast to fp32 for the reduction
-        if k == "zero1":
-            kept["gradients"] = w * P  # flat gradient buffers, kept from step to step
+        if strategy == "zero1":
+            kept["gradients"] = weight_bytes * num_params  # flat gradient buffers, kept from step to step
             at["forward"] = {**kept, "activations": forward_acts}
-            at["backward"] = {**kept, "reduce-scatter": max((cast + 4 * gloo) * b + 4 * _shard(b, n) for b in sizes)}
+            at["backward"] = {**kept, "reduce-scatter": max((cast + 4 * gloo) * bucket + 4 * _shard(bucket, ranks)
+                                                            for bucket in sizes)}
         else:  # the shards' gradients come in backward (`_zero2_backward`)
-            at["forward"] = {**kept, "activations": forward_acts, "accumulated gradients": w * P if accum else 0}
-            at["backward"] = {**kept, **_zero2_backward(sizes, n, w, acts["saved"], P, w if accum else 0,
-                                                               o.cpu_offload, s.head_linear_params)}
+            at["forward"] = {**kept, "activations": forward_acts,
+                             "accumulated gradients": weight_bytes * num_params if accum else 0}
+            at["backward"] = {**kept, **_zero2_backward(sizes, ranks, weight_bytes, acts["saved"], num_params,
+                                                        weight_bytes if accum else 0, options.cpu_offload,
+                                                        shape.head_linear_params)}
             kept["gradients"] = states["gradients"]  # all of them, for the step
         # Per group of buckets (zero.STEP_BYTES of masters): the fp32 copies of bf16 gradient
         # shards and AdamW's temporary; then each bucket's all-gather.
-        groups = pack_buckets([torch.empty(_shard(b, n), device="meta") for b in sizes], STEP_BYTES)
-        at["step"] = {**kept, "optimizer step temporary": max((cast + 4) * sum(m.numel() for m in g) for g in groups)}
-        at["refresh"] = {**kept, "all-gather": max(w * _shard(b, n) for b in sizes)}  # the shard sent, a copy
-    else:
-        at.update(_fsdp(s, whole or s, setup, kept, acts, c, gloo, accum))  # the shards' gradients come in backward
+        groups = pack_buckets([torch.empty(_shard(bucket, ranks), device="meta") for bucket in sizes], STEP_BYTES)
+        at["step"] = {**kept, "optimizer step temporary": max((cast + 4) * sum(shard.numel() for shard in group)
+                                                              for group in groups)}
+        # The all-gather: the shard sent, a copy.
+        at["refresh"] = {**kept, "all-gather": max(weight_bytes * _shard(bucket, ranks) for bucket in sizes)}
+    else:  # the shards' gradients come in backward
+        at.update(_fsdp(shape, whole or shape, setup, kept, acts, compute_bytes, gloo, accum))
         # AdamW's temporary is the size of the fp32 shard it steps, as is the shard's gradient.
         at["step"] = {**kept, "gradients": states["gradients"], "optimizer step temporary": states["gradients"]}
     return at
 
 
-def _zero2_backward(sizes, n, w, saved, P, accumulated, offload=False, head=0) -> dict:
+def _zero2_backward(sizes, ranks, grad_bytes, saved, num_params, accumulated, offload=False, head=0) -> dict:
     """ZeRO-2, bucket by bucket in backward's order, at the two moments that can peak:
     - a bucket opens (its first gradient came): its flat fp32 gradient is allocated beside the
       one on the wire (fp32 input and output shard), while the activations of its layers and of
@@ -104,27 +114,30 @@ def _zero2_backward(sizes, n, w, saved, P, accumulated, offload=False, head=0) -
       copied into the flat buffer); the first bucket opens with the output layer's gradient as
       autograd made it (`head` elements), before it is copied in;
     - a bucket is sent: the previous one's collective is done, the flat buffer and its output shard.
-    The shards' gradients (`w` bytes per element) are made by the reduce-scatters and let go by
+    The shards' gradients (`grad_bytes` per element) are made by the reduce-scatters and let go by
     `zero_grad`, so only the buckets already reduced hold theirs. With `offload` those are in host
     memory (`offload_split.py`): the device's worst moment is sought without them."""
-    weight = lambda now: sum(v for k, v in now.items() if not (offload and k == "gradients"))  # noqa: E731
+
+    def on_device(moment: dict) -> int:
+        return sum(nbytes for term, nbytes in moment.items() if not (offload and term == "gradients"))
+
     worst, done, landed = {}, 0, 0
-    for i, b in enumerate(sizes):
+    for i, bucket in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
-        on_wire = 4 * previous + 4 * _shard(previous, n) if i else 0
+        on_wire = 4 * previous + 4 * _shard(previous, ranks) if i else 0
         first = i == 0 and not accumulated  # the output layer's gradient, being made
-        opening = {"buckets in flight": 4 * b + on_wire + (w * head if first else 0),
-                   "gradients": landed - w * _shard(previous, n),
-                   "activations still saved": saved * (P - done) // P,
-                   "accumulated gradients": accumulated * (P - done)}
-        sending = {"buckets in flight": 4 * b + 4 * _shard(b, n), "gradients": landed,
-                   "activations still saved": saved * max(P - done - b, 0) // P,
-                   "accumulated gradients": accumulated * (P - done - b)}
-        for now in (opening, sending):
-            if weight(now) > weight(worst):
-                worst = now
-        done += b
-        landed += w * _shard(b, n)
+        opening = {"buckets in flight": 4 * bucket + on_wire + (grad_bytes * head if first else 0),
+                   "gradients": landed - grad_bytes * _shard(previous, ranks),
+                   "activations still saved": saved * (num_params - done) // num_params,
+                   "accumulated gradients": accumulated * (num_params - done)}
+        sending = {"buckets in flight": 4 * bucket + 4 * _shard(bucket, ranks), "gradients": landed,
+                   "activations still saved": saved * max(num_params - done - bucket, 0) // num_params,
+                   "accumulated gradients": accumulated * (num_params - done - bucket)}
+        for moment in (opening, sending):
+            if on_device(moment) > on_device(worst):
+                worst = moment
+        done += bucket
+        landed += grad_bytes * _shard(bucket, ranks)
     return worst
 
 
@@ -140,8 +153,8 @@ class _Timeline:
             self.worst = dict(self.live)
 
 
-def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
-    """FSDP, walked unit by unit through the last micro-batch's forward and backward.
+def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum) -> dict:
+    """FSDP, walked unit by unit through the last micro-batch's forward and backward (`_FsdpWalk`).
 
     Units: one per decoder layer and the root (embeddings, final norm, output layer), or the
     whole model as one unit without the wrap policy. What each moment allocates:
@@ -162,139 +175,180 @@ def _fsdp(s, whole, setup, kept, acts, c, gloo, accum) -> dict:
       gloo copies a reduce-scatter's input while the collective runs;
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
       in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it.
-    Under LoRA (`whole` is the model, `s` its adapters) a unit is gathered whole, but only its
-    adapters get gradients and are reduced; minidist's frozen shard is kept in the compute dtype, so
-    only the trainable one is cast to be sent (FSDP2 keeps both in fp32, and casts both). A unit
-    with nothing to train stays gathered until backward ends, except minidist's root, freed when
-    the last layer's backward begins (`parallel/frozen.py`)."""
-    n, torch_impl = setup.world_size, setup.options.impl == "torch"
-    kept_acts, rest = acts["kept_by_layer"], acts["saved"] - sum(acts["kept_by_layer"])
-    if setup.options.layer_wrap_policy and whole.layer_params:  # (gathered, trained) per unit
-        root, layers = (whole.root_params, s.root_params), list(zip(whole.layer_param_counts, s.layer_param_counts))
-    else:
-        root, layers, rest = (whole.num_params, s.num_params), [], acts["saved"]
-    kept_grad = 4 if torch_impl else c  # bytes per element of the accumulated full gradients
-    t = _Timeline({**kept, "accumulated gradients": kept_grad * s.num_params if accum else 0})
-    offload = setup.options.cpu_offload and not torch_impl  # the compute-dtype shard is kept on the device: sent as it is
-    send = lambda u: c * _shard(u[0] if torch_impl else u[1], n) if c == 2 and not offload else 0  # noqa: E731 (a bf16 copy sent:
-    # FSDP2 casts every fp32 shard; minidist its trainable one, as its frozen shard is in the compute dtype already)
-    lingering = [0]  # FSDP2: the last all-gather buffer, let go at the next copy-out
-    single = torch_impl and n == 1  # FSDP2 on one rank: no collectives, the shard is the whole unit
-    held = lambda u: (c * u[0] if c == 2 else 0) if single else c * u[0]  # noqa: E731 (fp32 views, or a bf16 copy)
+    Under LoRA (`whole` is the model, `trained` its adapters) a unit is gathered whole, but only
+    its adapters get gradients and are reduced; minidist's frozen shard is kept in the compute
+    dtype, so only the trainable one is cast to be sent (FSDP2 keeps both in fp32, and casts
+    both). A unit with nothing to train stays gathered until backward ends, except minidist's
+    root, freed when the last layer's backward begins (`parallel/frozen.py`)."""
+    walk = _FsdpWalk(trained, whole, setup, kept, acts, compute_bytes, gloo, accum)
+    forward = walk.forward()
+    return {"forward": forward, "backward": walk.backward()}
 
-    def start_gather(u):
-        if single:
-            t.add("gathered units", held(u))
+
+class _FsdpWalk(_Timeline):
+    """The timeline of one FSDP rank, walked in the order FSDP gathers, reduces and frees (`_fsdp`).
+
+    A unit is a pair of element counts, (gathered, trained): the whole unit, and its trainable
+    part (the same without LoRA)."""
+
+    def __init__(self, trained, whole, setup, kept, acts, compute_bytes, gloo, accum):
+        self.ranks, self.torch_impl = setup.world_size, setup.options.impl == "torch"
+        self.acts, self.compute_bytes, self.accum = acts, compute_bytes, accum
+        self.kept_acts, self.rest = acts["kept_by_layer"], acts["saved"] - sum(acts["kept_by_layer"])
+        if setup.options.layer_wrap_policy and whole.layer_params:
+            self.root = (whole.root_params, trained.root_params)
+            self.layers = list(zip(whole.layer_param_counts, trained.layer_param_counts))
+        else:
+            self.root, self.layers, self.rest = (whole.num_params, trained.num_params), [], acts["saved"]
+        self.head = trained.head_linear_params if self.layers else self.root[1]  # the output layer's trained part
+        self.kept_grad = 4 if self.torch_impl else compute_bytes  # bytes per element of the accumulated full gradients
+        super().__init__({**kept, "accumulated gradients": self.kept_grad * trained.num_params if accum else 0})
+        # minidist's offload keeps the compute-dtype shard on the device: it is sent as it is.
+        self.offload = setup.options.cpu_offload and not self.torch_impl
+        self.gradients_to_host = setup.options.cpu_offload  # each shard's gradient is copied out to the host
+        self.lingering = 0  # FSDP2: the last all-gather buffer, let go at the next copy-out
+        self.single = self.torch_impl and self.ranks == 1  # FSDP2 on one rank: no collectives, the shard is the unit
+        self.full = "accumulated gradients" if accum else "gradients"  # where a unit's full gradient ends up
+        # A weight's new gradient waits for the unit's post-backward, except in FSDP2 accumulating in
+        # the weights' own dtype (fp32): autograd adds it into the kept gradient at once.
+        self.fresh = 0 if self.torch_impl and accum and compute_bytes == 4 else compute_bytes
+        self.pending = []  # the unit whose reduce-scatter is on the wire: (its size, its fp32 input, its output)
+        # Bytes per element of gloo's copy of a reduce-scatter's input, while it runs. minidist's input is
+        # scratch, all-reduced in place on gloo (`comm.reduce_scatter`): no copy.
+        self.copy = 4 * gloo if self.torch_impl else 0
+
+    def sent_copy(self, unit) -> int:
+        """Bytes of the bf16 copy of the fp32 shard that a gather sends: every flat's under FSDP2,
+        minidist's trainable one, as its frozen shard is in the compute dtype already. None in fp32,
+        nor under minidist's offload."""
+        if self.compute_bytes != 2 or self.offload:
+            return 0
+        return self.compute_bytes * _shard(unit[0] if self.torch_impl else unit[1], self.ranks)
+
+    def held(self, unit) -> int:
+        """Bytes a gathered unit holds: its full weights in the compute dtype. FSDP2 on one rank
+        gathers nothing: in fp32 the weights are views of the shard, in bf16 a copy."""
+        if self.single and self.compute_bytes != 2:
+            return 0
+        return self.compute_bytes * unit[0]
+
+    def start_gather(self, unit) -> None:
+        if self.single:
+            self.add("gathered units", self.held(unit))
             return
-        t.add("gathered units", c * u[0] + send(u))
+        self.add("gathered units", self.compute_bytes * unit[0] + self.sent_copy(unit))
 
-    def finish_gather(u, linger=False):
-        if single:
+    def finish_gather(self, unit, linger=False) -> None:
+        if self.single:
             return
-        if torch_impl:  # copy out of the all-gather buffer into the weights
-            t.add("gathered units", c * u[0])
-            t.add("gathered units", -c * lingering[0])  # the previous buffer, if it was kept
-            lingering[0] = u[0] if linger else 0
-            t.add("gathered units", 0 if linger else -c * u[0])  # this one's, now or at the next copy-out
-        t.add("gathered units", -send(u))
+        if self.torch_impl:  # copy out of the all-gather buffer into the weights
+            self.add("gathered units", self.compute_bytes * unit[0])
+            self.add("gathered units", -self.compute_bytes * self.lingering)  # the previous buffer, if it was kept
+            self.lingering = unit[0] if linger else 0
+            # This one's buffer goes now, or at the next copy-out.
+            self.add("gathered units", 0 if linger else -self.compute_bytes * unit[0])
+        self.add("gathered units", -self.sent_copy(unit))
 
-    def gather(u, prefetch, linger=False):  # this unit, now; the next one, started
-        if u:
-            finish_gather(u, linger)
+    def gather(self, unit, prefetch, linger=False) -> None:
+        """This unit, now; the next one, started."""
+        if unit:
+            self.finish_gather(unit, linger)
         if prefetch:
-            start_gather(prefetch)
+            self.start_gather(prefetch)
 
-    start_gather(root)
-    finish_gather(root, linger=True)
-    if layers:
-        start_gather(layers[0])
-    for i, u in enumerate(layers):
-        gather(u, layers[i + 1] if i + 1 < len(layers) else None, linger=True)
-        t.add("activations", kept_acts[i])
-        t.add("gathered units", -held(u))
-    t.add("activations", rest + acts["weight_copies"])
-    t.add("logits", acts["logits"])  # the head's output, its fp32 copy and log-probabilities
-    if not torch_impl:
-        t.add("gathered units", -c * root[0])
-    t.add("gathered units", -c * lingering[0])  # FSDP2: backward's first copy-out lets the last one go
-    lingering[0] = 0
-    forward, t.worst = t.worst, dict(t.live)
-    if not torch_impl:
-        start_gather(root)
-        finish_gather(root)
-    full = "accumulated gradients" if accum else "gradients"  # where a unit's full gradient ends up
-    # A weight's new gradient waits for the unit's post-backward, except in FSDP2 accumulating in
-    # the weights' own dtype (fp32): autograd adds it into the kept gradient at once.
-    fresh = 0 if torch_impl and accum and c == 4 else c
-    pending = []  # the unit whose reduce-scatter is on the wire: (its size, its fp32 input, its output)
+    def forward(self) -> dict:
+        """Forward through the root and the layers: the worst moment of it. What is alive at its end
+        is where backward starts."""
+        self.start_gather(self.root)
+        self.finish_gather(self.root, linger=True)
+        if self.layers:
+            self.start_gather(self.layers[0])
+        for i, unit in enumerate(self.layers):
+            self.gather(unit, self.layers[i + 1] if i + 1 < len(self.layers) else None, linger=True)
+            self.add("activations", self.kept_acts[i])
+            self.add("gathered units", -self.held(unit))
+        self.add("activations", self.rest + self.acts["weight_copies"])
+        self.add("logits", self.acts["logits"])  # the head's output, its fp32 copy and log-probabilities
+        if not self.torch_impl:
+            self.add("gathered units", -self.compute_bytes * self.root[0])
+        self.add("gathered units", -self.compute_bytes * self.lingering)  # FSDP2: backward's first copy-out lets it go
+        self.lingering = 0
+        forward, self.worst = self.worst, dict(self.live)
+        return forward
 
-    # Bytes per element of gloo's copy of a reduce-scatter's input, while it runs. minidist's input is
-    # scratch, all-reduced in place on gloo (`comm.reduce_scatter`): no copy.
-    copy = 4 * gloo if torch_impl else 0
+    def backward(self) -> dict:
+        """Backward from the loss to the embedding: the worst moment of it."""
+        root, layers, head = self.root, self.layers, self.head
+        if not self.torch_impl:
+            self.start_gather(root)
+            self.finish_gather(root)
+        self.add("logits", -self.acts["logits"])  # consumed by the output layer's backward, which makes its gradient
+        self.add("gradients", self.fresh * head)
+        self.add("activations", -self.rest - self.acts["weight_copies"])  # the loss's and the output layer's
+        if layers:
+            self.start_gather(layers[-1])
+        frozen_units = []  # gathered until backward ends
+        early = not self.torch_impl and not root[1] and bool(layers)  # minidist frees a frozen root at the last layer's
+        # Backward reaches the layers only if something in or before them trains (LoRA on the output
+        # layer alone reaches none: the last one, prefetched, stays gathered until backward ends).
+        reached = any(trained for _, trained in layers) or root[1] > head
+        if layers and not reached:
+            self.finish_gather(layers[-1])
+            frozen_units.append(layers[-1])
+        for i in reversed(range(len(layers)) if reached else []):
+            unit, trained = layers[i], layers[i][1]
+            if early and i == len(layers) - 1:
+                self.add("gathered units", -self.held(root))
+            self.gather(unit, layers[i - 1] if i else None)
+            self.add("activations", self.acts["recompute_by_layer"][i])
+            self.add("gradients", self.fresh * trained)
+            self.add("activations", -self.acts["recompute_by_layer"][i] - self.kept_acts[i])
+            if not trained:
+                frozen_units.append(unit)
+                continue
+            self.concatenate(trained)
+            self.add("gathered units", -self.held(unit))
+            self.reduce(trained)
+        self.add("gradients", self.fresh * (root[1] - head))
+        if root[1]:
+            self.concatenate(root[1])
+            self.add("gathered units", -self.held(root))
+            self.reduce(root[1])
+        self.finish_pending()  # at the end of backward
+        for unit in frozen_units + ([] if root[1] or early else [root]):
+            self.add("gathered units", -self.held(unit))
+        return self.worst
 
-    def finish_pending():
-        for size, sent, out in pending:
-            t.add("reduce-scatters", 0 if torch_impl else copy * size)  # minidist's async call: seen at the wait
-            t.add("reduce-scatters", -sent - out - (0 if torch_impl else copy * size))
-            t.add(full, 0 if sent else -kept_grad * size)  # no copy was sent: the full gradient itself was
-            t.add("host gradients" if setup.options.cpu_offload else "gradients", out)  # offload: copied out
-        pending.clear()
+    def finish_pending(self) -> None:
+        """The reduce-scatter on the wire is waited for: its input goes, its output is the shard's gradient."""
+        for size, sent, out in self.pending:  # (gloo's copy, FSDP2's only, went in `reduce`)
+            self.add("reduce-scatters", -sent - out)
+            self.add(self.full, 0 if sent else -self.kept_grad * size)  # no copy was sent: the full gradient was
+            self.add("host gradients" if self.gradients_to_host else "gradients", out)  # offload: copied out
+        self.pending.clear()
 
-    def concatenate(u):
+    def concatenate(self, trained: int) -> None:
         """minidist: autograd joins the weights' gradients into the unit's flat one (split's
         backward), both alive for a moment, before the unit is freed."""
-        if not torch_impl:
-            t.add("gradients", c * u)
-            t.add("gradients", -c * u)
+        if not self.torch_impl:
+            self.add("gradients", self.compute_bytes * trained)
+            self.add("gradients", -self.compute_bytes * trained)
 
-    def reduce(u):
-        """A unit whose weights all have this backward's gradients (c u bytes): reduce-scatter it."""
-        if accum:
-            t.add("gradients", -fresh * u)  # added into the full gradient kept since the first micro-batch
-        if torch_impl:
-            finish_pending()
-        into = 0 if c == 4 and not torch_impl else 4 * u
-        t.add("reduce-scatters", into)  # the fp32 input: a cast, or FSDP2's copy
-        t.add(full, -(kept_grad if accum else c) * u if into else 0)  # then the gradient it came from goes
-        t.add("reduce-scatters", 4 * _shard(u, n))  # the output shard
-        if torch_impl:  # FSDP2's collective runs within its post-backward hook
-            t.add("reduce-scatters", copy * u)
-            t.add("reduce-scatters", -copy * u)
-        finish_pending()
-        pending.append((u, into, 4 * _shard(u, n)))
-
-    head = s.head_linear_params if layers else root[1]  # the trained part of the output layer
-    t.add("logits", -acts["logits"])  # consumed by the output layer's backward, which makes its gradient
-    t.add("gradients", fresh * head)
-    t.add("activations", -rest - acts["weight_copies"])  # the loss's and the output layer's, used first
-    if layers:
-        start_gather(layers[-1])
-    frozen_units = []  # gathered until backward ends
-    early = not torch_impl and not root[1] and bool(layers)  # minidist frees a frozen root at the last layer's
-    # Backward reaches the layers only if something in or before them trains (not LoRA on the output layer alone).
-    reached = any(trained for _, trained in layers) or root[1] > head
-    if layers and not reached:
-        finish_gather(layers[-1])
-        frozen_units.append(layers[-1])
-    for i in reversed(range(len(layers)) if reached else []):
-        u, trained = layers[i], layers[i][1]
-        t.add("gathered units", -held(root) if early and i == len(layers) - 1 else 0)  # freed at the last layer's
-        gather(u, layers[i - 1] if i else None)
-        t.add("activations", acts["recompute_by_layer"][i])
-        t.add("gradients", fresh * trained)
-        t.add("activations", -acts["recompute_by_layer"][i] - kept_acts[i])
-        if not trained:
-            frozen_units.append(u)
-            continue
-        concatenate(trained)
-        t.add("gathered units", -held(u))
-        reduce(trained)
-    t.add("gradients", fresh * (root[1] - head))
-    if root[1]:
-        concatenate(root[1])
-        t.add("gathered units", -held(root))
-        reduce(root[1])
-    finish_pending()  # at the end of backward
-    for u in frozen_units + ([] if root[1] or early else [root]):
-        t.add("gathered units", -held(u))
-    return {"forward": forward, "backward": t.worst}
+    def reduce(self, trained: int) -> None:
+        """A unit whose weights all have this backward's gradients (`trained` elements in the compute
+        dtype): reduce-scatter it."""
+        if self.accum:
+            # Added into the full gradient kept since the first micro-batch.
+            self.add("gradients", -self.fresh * trained)
+        if self.torch_impl:
+            self.finish_pending()
+        into = 0 if self.compute_bytes == 4 and not self.torch_impl else 4 * trained
+        self.add("reduce-scatters", into)  # the fp32 input: a cast, or FSDP2's copy
+        # Then the gradient it came from goes.
+        self.add(self.full, -(self.kept_grad if self.accum else self.compute_bytes) * trained if into else 0)
+        self.add("reduce-scatters", 4 * _shard(trained, self.ranks))  # the output shard
+        if self.torch_impl:  # FSDP2's collective runs within its post-backward hook
+            self.add("reduce-scatters", self.copy * trained)
+            self.add("reduce-scatters", -self.copy * trained)
+        self.finish_pending()
+        self.pending.append((trained, into, 4 * _shard(trained, self.ranks)))
