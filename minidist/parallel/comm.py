@@ -31,18 +31,11 @@ may send more: on CPU, gloo's reduce-scatter sends 2(N-1)/N x S, as much as its 
 ``ring_all_reduce`` then does the same all-reduce by hand with point-to-point ``send``/``recv``,
 to show there is no magic in the library call.
 
-**Within a node and across nodes.** On more than one node the links differ: NVLink inside a
-node (hundreds of GB/s per GPU), InfiniBand between nodes (12 to 25 GB/s per GPU). So the counter
-also says how many of a rank's bytes cross to another node. Its rule is the ring's: a rank sends
-every chunk to its right neighbour, the next rank of the group (in group order, which is node
-order: ranks of a node are consecutive), so *all* of what a rank sends in a collective crosses
-nodes if that neighbour is on another node, and none of it does otherwise. Node = global rank //
-ranks per node (`LOCAL_WORLD_SIZE`). Over a group of N = R x S ranks on R nodes (flat FSDP) the
-ring crosses R times: R of the N ranks send all of their 3P(N-1)/N across, the others nothing,
-and the collective runs at the pace of those R inter-node links (NCCL builds its rings the same
-way, crossing each node boundary once per ring). HSDP (`fsdp.py`, `mesh.py`) keeps the gathers
-and the reduce-scatter within a node, and every rank sends across nodes only the all-reduce of its
-gradient shard over the R copies: 2(P/S)(R-1)/R elements.
+**Within a node and across nodes.** On more than one node the links differ (NVLink inside a
+node, InfiniBand between nodes), and so does what a ring sends over each: `across_nodes.py` says
+which of the counted bytes cross to another node. It is measurement, not a collective, so it is
+not written here: it subscribes to the counter (``counter.subscribers``), which tells it of every
+collective it counts.
 
 On one rank there is nothing to send: the three wrappers copy locally (an all-reduce does
 nothing) and skip the library, as PyTorch's FSDP2 does, so that a one-rank benchmark times the
@@ -56,27 +49,32 @@ import torch.distributed as dist
 
 
 class ByteCounter:
-    """Bytes this rank would send under the ring algorithm, summed since the last ``take``, in
-    all and the part of them that crosses to another node (see "Within a node and across nodes").
+    """Bytes this rank would send under the ring algorithm, summed since the last ``take``.
 
     The fractions (N-1)/N are kept exact (``Fraction``), so a step's total equals the formula
     2·P·(N-1)/N x bytes exactly, not up to rounding, even when collectives run over groups of
     different sizes (a shard group and a replicate group: ``mesh.py``).
+
+    ``subscribers``: objects that want to know more of each collective than the total (which of
+    its bytes cross nodes: ``across_nodes.py``). Each is told of every count, ``add(sent, group)``,
+    and of every ``reset``, so that its own figures always cover the same collectives as the total.
     """
 
     def __init__(self):
+        self.subscribers = []
         self.reset()
 
     def reset(self) -> None:
-        self._sent = self._across = Fraction(0)
+        self._sent = Fraction(0)
+        for subscriber in self.subscribers:
+            subscriber.reset()
 
-    def add(self, rounds: int, nbytes: int, world_size: int, across_nodes: bool = False) -> None:
-        """``rounds`` ring rounds (N-1 or 2(N-1)) over a group of N ranks, each sending 1/N of ``nbytes``;
-        ``across_nodes``: the right neighbour of this rank in the group is on another node."""
+    def add(self, rounds: int, nbytes: int, world_size: int, group=None) -> None:
+        """``rounds`` ring rounds (N-1 or 2(N-1)) over ``group``, of N ranks, each sending 1/N of ``nbytes``."""
         sent = Fraction(rounds * nbytes, world_size)
         self._sent += sent
-        if across_nodes:
-            self._across += sent
+        for subscriber in self.subscribers:
+            subscriber.add(sent, group)
 
     @property
     def bytes_sent(self) -> float:
@@ -84,43 +82,33 @@ class ByteCounter:
 
     def take(self) -> float:
         """The bytes counted since the last ``take``; the count starts again from zero."""
-        return self.take_split()["comm_bytes"]
-
-    def take_split(self) -> dict:
-        """``take``, with the bytes within this rank's node and across nodes (they add up to the total)."""
-        split = {"comm_bytes": float(self._sent), "comm_bytes_within_node": float(self._sent - self._across),
-                 "comm_bytes_across_nodes": float(self._across)}
+        sent = self.bytes_sent
         self.reset()
-        return split
+        return sent
 
 
 counter = ByteCounter()  # one per process: each rank counts what it sends
-SPLIT_KEYS = ("comm_bytes", "comm_bytes_within_node", "comm_bytes_across_nodes", "comm_bytes_across_nodes_by_rank")
-
-
-def take_split(group, device) -> dict:
-    """``counter.take_split()``, and what every rank of ``group`` sent across nodes, by rank
-    (``comm_bytes_across_nodes_by_rank``): a ring crosses nodes on a few of its ranks only, and
-    its slowest link paces it. Every rank must call it (an all-gather of one number, not counted)."""
-    taken = counter.take_split()
-    across = torch.tensor([taken["comm_bytes_across_nodes"]], dtype=torch.float64, device=device)
-    by_rank = [torch.zeros_like(across) for _ in range(_world(group))]
-    dist.all_gather(by_rank, across, group=group)
-    return {**taken, "comm_bytes_across_nodes_by_rank": [t.item() for t in by_rank]}
 
 
 def _world(group) -> int:
     return dist.get_world_size(group)
 
 
-def crosses_nodes(group=None) -> bool:
-    """Whether this rank's right neighbour on the ring of `group` sits on another node."""
-    from minidist.runtime.distributed import get_env
+def _count(rounds: int, tensor: torch.Tensor, group) -> None:
+    """Count ``rounds`` ring rounds over ``group``, each sending 1/N of ``tensor``."""
+    counter.add(rounds, tensor.numel() * tensor.element_size(), _world(group), group)
 
-    n, per_node = _world(group), get_env().local_world_size
-    right = (dist.get_rank(group) + 1) % n
-    right = dist.get_global_rank(group, right) if group is not None else right
-    return right // per_node != dist.get_rank() // per_node
+
+def _sharded(what: str, full: torch.Tensor, shard: torch.Tensor, group) -> int:
+    """The group's size N, once ``full`` is checked to hold N x ``shard``'s elements. Over more
+    than one rank the ring's bytes are counted too: N-1 rounds of 1/N of ``full`` (a
+    reduce-scatter's input, an all-gather's output)."""
+    n = _world(group)
+    if full.numel() != n * shard.numel():
+        raise ValueError(f"{what} has {full.numel()} elements, expected {n} x {shard.numel()}")
+    if n > 1:
+        _count(n - 1, full, group)
+    return n
 
 
 class _Done:
@@ -139,7 +127,7 @@ def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
     n = _world(group)
     if n == 1:
         return _local(async_op)
-    counter.add(2 * (n - 1), tensor.numel() * tensor.element_size(), n, crosses_nodes(group))
+    _count(2 * (n - 1), tensor, group)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -175,13 +163,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
     in place (it ends up holding the sum), shard r is copied out at ``wait()`` and the input's
     memory freed there. Same bytes on the wire as gloo's own reduce-scatter, without the copy, so
     that CPU memory shows what a GPU's would."""
-    n = _world(group)
-    if input.numel() != n * output.numel():
-        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()}")
+    n = _sharded("reduce_scatter: input", input, output, group)
     if n == 1:
         output.copy_(input)
         return _local(async_op)
-    counter.add(n - 1, input.numel() * input.element_size(), n, crosses_nodes(group))
     if input_is_scratch and dist.get_backend(group) == "gloo":
         work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
         handle = _ShardAfter(work, output, input, input.view(n, -1)[dist.get_rank(group)])
@@ -194,19 +179,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's ``shard`` into ``output`` (N x the shard), on every rank."""
-    n = _world(group)
-    if output.numel() != n * shard.numel():
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {n} x {shard.numel()}")
+    n = _sharded("all_gather: output", output, shard, group)
     if n == 1:
         output.copy_(shard)
         return _local(async_op)
-    counter.add(n - 1, output.numel() * output.element_size(), n, crosses_nodes(group))
     return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None):
-    """Copy rank ``src``'s ``tensor`` to every rank. Used once, when a strategy wraps a model, so
-    it is not part of a training step's count."""
+    """Copy rank ``src``'s ``tensor`` to every rank. Used when a strategy wraps a model (rank 0's
+    weights and buffers to every rank; under HSDP, node 0's shards to the other copies) and when
+    HSDP loads a full checkpoint (``flat_state.py``, through ``mesh.broadcast_from_first_copy``):
+    never inside a training step, so it is not part of a step's count."""
     return dist.broadcast(tensor, src=src, group=group)
 
 
@@ -246,7 +230,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
         requests = [dist.isend(outgoing, right, group=group), dist.irecv(incoming, left, group=group)]
         for request in requests:
             request.wait()
-        counter.add(n, outgoing.numel() * outgoing.element_size(), n, crosses_nodes(group))  # what went out
+        _count(n, outgoing, group)  # exactly what went out: the chunk (n rounds of 1/n of it)
         if reduce:
             chunks[recv_index].add_(incoming)
         else:

@@ -33,7 +33,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from minidist.parallel import comm, precision
+from minidist.parallel import across_nodes, comm, precision
 from minidist.parallel.mesh import DataParallelMesh, data_parallel_mesh
 from minidist.parallel.options import ADAMW_OPTIONS, ParallelOptions
 
@@ -97,10 +97,10 @@ class Strategy:
         starts again), counted by `comm.py` under the ring algorithm; None for PyTorch's own
         strategies, which do not go through `comm.py`. split=True (every rank must call it then):
         a dict of the total, its parts within a node and across nodes, and every rank's bytes across
-        nodes (`comm.take_split`); None in each for torch."""
+        nodes (`across_nodes.take_split`); None in each for torch."""
         if self.options.impl != "minidist":
-            return dict.fromkeys(comm.SPLIT_KEYS) if split else None
-        return comm.take_split(self.mesh.group, self.env.device) if split else comm.counter.take()
+            return dict.fromkeys(across_nodes.SPLIT_KEYS) if split else None
+        return across_nodes.take_split(self.mesh.group, self.env.device) if split else comm.counter.take()
 
     def clip_grad_norm_(self, model, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

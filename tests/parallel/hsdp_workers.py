@@ -6,7 +6,7 @@ from minidist.runtime.distributed import get_env
 
 def one_step_bytes(model_dir, strategies, seq_len=32):
     """One optimizer step of each hand-written strategy (`fsdp`, `hsdp`), fp32, one micro-batch of
-    2 sequences per rank; return per strategy the bytes this rank sent (`comm.counter.take_split`),
+    2 sequences per rank; return per strategy the bytes this rank sent (`across_nodes.take_split`),
     the padded size of every FSDP unit and the mesh this rank saw."""
     from minidist import batches
     from minidist.chess import jsonl
