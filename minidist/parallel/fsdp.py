@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.parallel import offload
+from minidist.parallel import comm, offload
 from minidist.parallel.flat import Flat, clip_sharded_grad_norm_, gather_parameters
 from minidist.parallel.mesh import broadcast_from_first_copy
 from minidist.parallel.precision import MixedPrecision
@@ -88,7 +88,9 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.replicate_group = replicate_group
         self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.replicate_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
-        self.in_backward, self.pending, self.replicating = False, [], []
+        self.in_backward = False
+        # The gradients' collectives still in flight, across units (HSDP: over the copies too).
+        self.reductions = Reductions(replicate_group if self.replicate_size > 1 else None)
         self.unsharded = self.max_unsharded = 0
         # The wrap policy: outermost modules of the given classes, in registration order.
         unit_modules = {}
@@ -156,12 +158,7 @@ class FullyShardedDataParallel(DataParallelWrapper):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        for unit, handle, out, _ in self.pending:
-            unit.finish_reduction(handle, out)
-        self.pending.clear()
-        for unit, handle, out in self.replicating:
-            unit.accumulate(handle, out)
-        self.replicating.clear()
+        self.reductions.finish()
         offload.wait_for_copies()  # --cpu_offload: the gradient shards' copies to the host, before the CPU reads them
         for unit in self.units:  # a prefetched unit that did not run after all
             unit.free()
@@ -192,6 +189,58 @@ class FullyShardedDataParallel(DataParallelWrapper):
         """The fp32 weights by their original names on this rank's CPU if it `keep`s them, one
         unit at a time (every rank calls it: `flat.gather_parameters`), the frozen ones too."""
         return gather_parameters(self.flats() + self.frozen_flats(), keep, self.group)
+
+
+class Reductions:
+    """The wrapper's queue of gradient reductions in flight, across units: each unit's post-backward
+    hook hands it the reduce-scatter it launched (`add`), and the end of backward empties it (`finish`).
+
+    A unit's reduce-scatter is waited for one unit later, when the next unit hands in its own: the
+    collective runs while autograd computes the next unit's gradient, and at most two full
+    gradients are alive (one on the wire, one that autograd fills), not the whole model's. Once it is
+    done, the shard is added into the unit's `flat_param.grad` (`Unit.accumulate`). HSDP: the shard
+    must first be summed over the copies too; that all-reduce is started where the reduce-scatter
+    finishes (`_start_replicate`) and waited for one unit later again (`_finish_replicate`)."""
+
+    def __init__(self, replicate_group=None):
+        self.replicate_group = replicate_group  # HSDP's copies; None: FSDP, nothing to replicate
+        self.scattering = None  # (unit, handle, shard out, full gradient): the last unit's reduce-scatter
+        self.replicating = []  # HSDP: (unit, handle, shard) of the all-reduces over the copies in flight
+
+    def add(self, unit, handle, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """`unit` launched the reduce-scatter of `grad` into `out`: finish the ones before it."""
+        self._finish_replicate()  # HSDP: the all-reduce of two units back
+        self._finish_scatter()  # the previous unit's: done, let go
+        self.scattering = (unit, handle, out, grad)  # `grad` lives until its collective is done
+
+    def finish(self) -> None:
+        """Backward is over: wait for everything still in flight (HSDP: the last unit's all-reduce is
+        launched first, then the two are waited for)."""
+        self._finish_scatter()
+        self._finish_replicate()
+
+    def _finish_scatter(self) -> None:
+        if self.scattering is None:
+            return
+        unit, handle, out, _ = self.scattering
+        self.scattering = None
+        handle.wait()
+        if self.replicate_group is not None:
+            self._start_replicate(unit, out)
+        else:
+            unit.accumulate(out)
+
+    def _start_replicate(self, unit, out: torch.Tensor) -> None:
+        """HSDP: sum the reduced shard over the copies (one rank per node), asynchronously."""
+        work = comm.all_reduce(out, group=self.replicate_group, async_op=True)
+        self.replicating.append((unit, work, out))
+
+    def _finish_replicate(self) -> None:
+        """HSDP: wait for the all-reduces in flight; each unit takes its shard, summed over every rank."""
+        in_flight, self.replicating = self.replicating, []
+        for unit, work, out in in_flight:
+            work.wait()
+            unit.accumulate(out)
 
 
 def _flat(layout, shard, slots) -> Flat:

@@ -3,8 +3,11 @@
 `fsdp.py` cuts the model into units and tells the story of a step (its docstring: gather before
 forward, free after it, gather again before backward, free and reduce-scatter after it); this
 module is what each unit does at those four moments. A `Unit` never imports its wrapper: it is
-handed the `FullyShardedDataParallel` it belongs to (`self.fsdp`), and asks it for the group,
-the precision policy, the prefetch order and the reductions still in flight.
+handed the `FullyShardedDataParallel` it belongs to (`self.fsdp`), and reads from it the group,
+the precision policy and the prefetch order. What spans several units is the wrapper's, never
+written by a unit: the reduce-scatter a unit launches after its backward is handed to the
+wrapper's queue (`fsdp.Reductions`), which waits for it one unit later, runs HSDP's all-reduce
+over the copies, and gives the finished shard back to the unit (`accumulate`).
 
 A unit may hold frozen parameters too (LoRA's base weights): they go in a second flat,
 `self.frozen` (`frozen.py`), gathered and freed with the trainable one and never reduced. The
@@ -145,27 +148,10 @@ class Unit:
         grad.div_(self.fsdp.world_size * self.fsdp.replicate_size)  # the average over every rank, as DDP takes it
         out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True, input_is_scratch=True)
-        for unit, earlier, earlier_out in self.fsdp.replicating:  # HSDP: the all-reduce of two units back
-            unit.accumulate(earlier, earlier_out)
-        self.fsdp.replicating = []
-        for unit, earlier, earlier_out, _ in self.fsdp.pending:  # the previous unit's: done, let go
-            unit.finish_reduction(earlier, earlier_out)
-        self.fsdp.pending = [(self, handle, out, grad)]  # `grad` lives until its collective is done
+        self.fsdp.reductions.add(self, handle, out, grad)  # the wrapper's queue: waited for one unit later
 
-    def finish_reduction(self, handle, out) -> None:
-        """The reduce-scatter is done. HSDP: start the all-reduce of the shard across the copies
-        (asynchronous: the next unit's backward waits for it), else take the shard at once."""
-        handle.wait()
-        if self.fsdp.replicate_size > 1:
-            work = comm.all_reduce(out, group=self.fsdp.replicate_group, async_op=True)
-            self.fsdp.replicating.append((self, work, out))
-        else:
-            self.accumulate(None, out)
-
-    def accumulate(self, handle, out) -> None:
-        """Wait for `handle` (if any) and add the reduced gradient shard into `flat_param.grad`."""
-        if handle is not None:
-            handle.wait()
+    def accumulate(self, out: torch.Tensor) -> None:
+        """Add a reduced gradient shard (its collectives done) into `flat_param.grad`."""
         out = out.to(torch.float32)
         if self.fsdp.cpu_offload:  # copied out at once, while backward goes on
             offload.accumulate_grad(self.flat_param, out)
