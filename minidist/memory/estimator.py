@@ -5,8 +5,8 @@
 
 The model is built from its config on the meta device (shapes, no storage, no weights read), so
 P counts every parameter once, a tied embedding included. Sizes are bytes; 1 GB = 1e9 bytes.
-`measure.py` measures the same terms in the training loop; tests/memory/test_memory.py holds the two
-together. `report.py` prints them (the command above, in `__main__.py`).
+`measure.py` measures the same terms in the training loop; tests/memory/test_memory.py holds the
+two together. `report.py` prints them (the command above, in `__main__.py`).
 
 **Model states** (Rajbhandari et al. 2020, "ZeRO", section 3). AdamW keeps two moments per
 parameter; with fp32 parameters and gradients that is 4 + 4 + 8 = 16 bytes per parameter.
@@ -20,30 +20,40 @@ What is sharded over N ranks: ZeRO-1 the optimizer states, ZeRO-2 also the gradi
 (ZeRO-3) also the parameters. FSDP2 shards each tensor on dim 0 (ceil(rows/N) rows, padded).
 
 **Buffers and gathered units.** A bucketed DDP (PyTorch's) allocates buckets for every gradient
-when it wraps the model, 4P (`ddp.py`'s gradients become views of its buckets, as with PyTorch's
-`gradient_as_bucket_view=True`). ZeRO packs flat buckets as `zero.py` does. FSDP gathers the root
-unit (embeddings, final norm, output layer) and a layer with the next one prefetched; without the
-layer wrap policy the one unit is the whole model. When each is alive: `moments.py`. HSDP: `hybrid.py`.
+when it wraps the model: a second copy of the gradients, 4P (`ddp.py`'s gradients become views
+of its buckets, as with PyTorch's `gradient_as_bucket_view=True`). ZeRO packs its flat buckets
+as `zero.py` does (a parameter larger than the cap alone). FSDP gathers the root unit
+(embeddings, final norm, output layer) and a layer with the next one prefetched; without the
+layer wrap policy the one unit is the whole model. When each is alive: `moments.py`. HSDP holds
+and gathers what FSDP on one shard group does, plus its all-reduce across copies: `hybrid.py`.
 
-**Activations**: what autograd saves for backward, traced, not derived (`trace.py`): the model's
-forward and the loop's loss on fake tensors (shapes, no data) under saved-tensor hooks, each
-storage once, per decoder layer, shared by layers (rotary cos and sin, a mask), or outside them
-(embeddings, head, the loss's fp32 log-probabilities), with the attention kernel the run takes.
-Each term is affine in the batch: traces at batch 1 and 2 give any batch. Layers of different
-types (MoE's sparse and dense, T5's encoder and decoder blocks) count each for itself; autocast's
-bf16 weight copies too. `llama_layer.py` derives a Llama layer by hand, equal to the trace.
+**Activations**: what autograd saves for backward, traced rather than derived (`trace.py`): the
+model's own forward and the loop's loss run on fake tensors (shapes, no data) under saved-tensor
+hooks, each storage counted once, per decoder layer, shared by several layers (rotary cos and
+sin, a mask), or outside them (embeddings, the head, the loss's fp32 log-probabilities). Every
+term is affine in the batch, so traces at batch 1 and 2 give any batch. Layers of different types
+(Qwen2-MoE's sparse and dense, T5's encoder and decoder blocks) are each counted for themselves,
+with the attention kernel the run takes (SDPA's fused kernels save no T x T scores). Autocast's
+bf16 weight copies are traced too. `llama_layer.py` derives a Llama layer by hand, equal to the
+trace. Under LoRA the trace runs with the adapters (`lora_terms.adapt`).
 
-**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps each
-layer's input only (hidden x 2 or 4 bytes per token, bf16 or fp32; an encoder-decoder's at the
-source's length) and recomputes a layer at a time in backward: its activations return for a moment.
+**Checkpointing** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps
+only each layer's input (hidden x 2 or 4 bytes per token, as the residual stream is bf16 or
+fp32; for an encoder-decoder, counted at the source's length for every layer) and recomputes
+one layer at a time in backward, so one layer's activations come back for a moment.
 
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
 falls and what is alive then; the terms above are each one's own size, not all alive at once.
-Not counted: the CUDA context, NCCL and the caching allocator's fragmentation (`--gpu_memory 80GB`
-for an A100 that reports 85.1e9 leaves them 5 GB). `--cpu_offload`: device and host, `offload_split.py`.
-Tested against measurement for Llama, Mistral, Qwen2, Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral,
-GPT-2, Qwen2-MoE, T5, BART (test_trace.py, test_memory.py); an untraceable one: a ValueError naming it.
+Not counted: the CUDA context, NCCL and the caching allocator's fragmentation; `--gpu_memory
+80GB` (8e10 bytes) for an A100 that reports 85.1e9 leaves them about 5 GB. Under
+`--cpu_offload` the peak is the device's, and the estimate has a device and a host column
+(`offload_split.py`).
+
+Tested against measurement (saved-tensor hooks, `measure.LiveTensors`) for Llama, Mistral, Qwen2,
+Qwen3, Gemma2, Phi-3, GPT-NeoX, OPT, Mixtral, GPT-2, Qwen2-MoE, T5 and BART
+(tests/memory/test_trace.py, test_memory.py). One that cannot be traced ends in one ValueError
+naming it: no fallback.
 """
 
 import functools
@@ -102,7 +112,8 @@ def load_config(name_or_path: str):
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(f"could not read the config of {name_or_path!r} ({first}): pass a folder with a "
-                                f"config.json, a bundled model ({', '.join(BUNDLED)}), or run where the hub is reachable")
+                                f"config.json, a bundled model ({', '.join(BUNDLED)}), or run where the hub is "
+                                "reachable")
 
 
 def model_shape(name_or_path: str) -> Shape:
@@ -111,22 +122,28 @@ def model_shape(name_or_path: str) -> Shape:
     with torch.device("meta"):
         model = trace.model_class(config).from_config(config)
     params = list(model.parameters())  # each tensor once: a tied embedding is one parameter
-    counts = tuple(sum(p.numel() for p in m.parameters()) for m in trace.decoder_layers(model))
+    num_params = sum(param.numel() for param in params)
+    layers = trace.decoder_layers(model)
+    counts = tuple(sum(param.numel() for param in layer.parameters()) for layer in layers)
     head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
     hidden, heads = config.hidden_size, config.num_attention_heads
     return Shape(
         name=name_or_path, architecture=type(model).__name__, model_type=config.model_type,
-        num_params=sum(p.numel() for p in params), param_rows=tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in params),
+        num_params=num_params,
+        param_rows=tuple((param.shape[0] if param.dim() else 1, param.numel()) for param in params),
         num_layers=len(counts), hidden_size=hidden,
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
         vocab_size=head.weight.shape[0] if head is not None else config.vocab_size,  # the head's real rows
-        layer_params=max(counts, default=0), layer_param_counts=counts, root_params=sum(p.numel() for p in params) - sum(counts),
-        head_linear_params=sum(p.numel() for p in head.parameters()) if head is not None else 0,
-        largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-        base_params=sum(p.numel() for p in model.base_model.parameters()), config_dtype_bytes=params[0].element_size(),
-        tied_params=head.weight.numel() if head is not None and head.weight is model.get_input_embeddings().weight else 0,
+        layer_params=max(counts, default=0), layer_param_counts=counts, root_params=num_params - sum(counts),
+        head_linear_params=sum(param.numel() for param in head.parameters()) if head is not None else 0,
+        largest_module_params=max(sum(param.numel() for param in module.parameters(recurse=False))
+                                  for module in model.modules()),
+        base_params=sum(param.numel() for param in model.base_model.parameters()),
+        config_dtype_bytes=params[0].element_size(),
+        tied_params=head.weight.numel() if tied else 0,
         is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)), config=config,
     )
 
@@ -153,9 +170,12 @@ class Setup:
 
 
 def setup(**flags) -> Setup:
-    """A Setup named as `minidist.finetune`'s flags: `setup(strategy="ddp", world_size=4)`. The options
-    not given are ParallelOptions' defaults, except bf16 (as on the GPUs); zero1 and zero2: minidist's."""
-    sizes = {f.name: flags.pop(f.name) for f in fields(Setup) if f.name in flags}
+    """A Setup named as `minidist.finetune`'s flags: `setup(strategy="ddp", world_size=4)`.
+
+    The flags that are Setup's own fields (the sizes, the backend, LoRA's) go to it, the others to
+    ParallelOptions. The options not given are ParallelOptions' defaults, except bf16, as on the
+    GPUs. zero1 and zero2 exist only by hand, so for them `impl` is minidist whatever was asked."""
+    sizes = {attribute.name: flags.pop(attribute.name) for attribute in fields(Setup) if attribute.name in flags}
     options = {"mixed_precision": "bf16", **flags}
     if options.get("strategy") in ("zero1", "zero2"):
         options["impl"] = "minidist"
@@ -164,35 +184,43 @@ def setup(**flags) -> Setup:
 
 def as_dict(setup: Setup) -> dict:
     """The setup as one flat dict of flag names (options and sizes), for reports and JSON."""
-    sizes = {f.name: getattr(setup, f.name) for f in fields(setup) if f.name != "options"}
+    names = [attribute.name for attribute in fields(setup) if attribute.name != "options"]
+    sizes = {name: getattr(setup, name) for name in names}
     return {**asdict(setup.options), **sizes}
 
 
 def compute_mode(setup: Setup) -> str:
     """fp32; autocast (bf16 matmuls over fp32 weights: DDP); bf16 (the weights themselves are bf16)."""
-    return "fp32" if setup.options.mixed_precision == "fp32" else "autocast" if setup.strategy == "ddp" else "bf16"
+    if setup.options.mixed_precision == "fp32":
+        return "fp32"
+    return "autocast" if setup.strategy == "ddp" else "bf16"
 
 
-def shard_numel(s: Shape, setup: Setup) -> int:
+def shard_numel(shape: Shape, setup: Setup) -> int:
     """Elements of one rank's shard: FSDP2 takes ceil(rows/N) rows of every tensor, a flat shard 1/N."""
-    n = setup.world_size
+    ranks = setup.world_size
     if setup.strategy == "fsdp" and setup.options.impl == "torch":
-        return sum(math.ceil(rows / n) * (numel // rows) for rows, numel in s.param_rows)
-    return math.ceil(s.num_params / n)
+        return sum(math.ceil(rows / ranks) * (numel // rows) for rows, numel in shape.param_rows)
+    return math.ceil(shape.num_params / ranks)
 
 
-def model_states(s: Shape, setup: Setup) -> dict:
+def model_states(shape: Shape, setup: Setup) -> dict:
     """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
     setup = hybrid.as_fsdp(setup)  # HSDP holds what FSDP on one shard group holds
     if setup.lora_rank:
-        return lora_terms.model_states(s, setup)
-    k, full, shard = setup.strategy, s.num_params, shard_numel(s, setup)
-    zero_paper = setup.options.mixed_precision == "bf16" and k in ("zero1", "zero2")
-    w, g, o = (2, 2, 12) if zero_paper else (4, 4, 8 + 4 * (setup.options.cpu_offload and k != "fsdp"))  # offload: ZeRO's master a copy
+        return lora_terms.model_states(shape, setup)
+    strategy, full, shard = setup.strategy, shape.num_params, shard_numel(shape, setup)
+    zero_paper = setup.options.mixed_precision == "bf16" and strategy in ("zero1", "zero2")
+    if zero_paper:  # bf16 weights and gradients; fp32 masters, m and v
+        weight_bytes, grad_bytes, state_bytes = 2, 2, 12
+    else:  # fp32 ZeRO's master is a view of its own weights, but under --cpu_offload a copy on the host
+        weight_bytes, grad_bytes = 4, 4
+        state_bytes = 8 + 4 * (setup.options.cpu_offload and strategy != "fsdp")
     return {
-        "parameters": w * (shard if k == "fsdp" else full),
-        "gradients": g * (shard if k in ("zero2", "fsdp") else full),
-        "optimizer_states": o * (full if k == "ddp" else shard) + 4 * len(s.param_rows),  # + AdamW's step counters
+        "parameters": weight_bytes * (shard if strategy == "fsdp" else full),
+        "gradients": grad_bytes * (shard if strategy in ("zero2", "fsdp") else full),
+        # AdamW also keeps one fp32 step counter per parameter tensor.
+        "optimizer_states": state_bytes * (full if strategy == "ddp" else shard) + 4 * len(shape.param_rows),
     }
 
 
@@ -200,82 +228,97 @@ def model_states(s: Shape, setup: Setup) -> dict:
 def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, lora: tuple, batch: int):
     """One trace, kept on disk (`cache.py`): lessons and tests estimate CodeLlama-7b in many processes."""
     def run():
-        t = trace.trace(config_class.from_dict(json.loads(config_json)), batch, seq, mode, padded, target_seq=target or None,
-                        adapt=lora_terms.adapt(lora, mode) if lora else None)  # LoRA's adapters in the trace
-        return {f.name: getattr(t, f.name) for f in fields(t) if f.name != "storages"}
-    key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch, **({"lora": lora} if lora else {}))
+        config = config_class.from_dict(json.loads(config_json))
+        adapt = lora_terms.adapt(lora, mode) if lora else None  # LoRA's adapters in the trace
+        result = trace.trace(config, batch, seq, mode, padded, target_seq=target or None, adapt=adapt)
+        return {attribute.name: getattr(result, attribute.name) for attribute in fields(result)
+                if attribute.name != "storages"}
+    key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch,
+               **({"lora": lora} if lora else {}))
     return trace.Trace(**cache.cached("trace", key, run))
 
 
-def traced(s: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0, lora: tuple = ()) -> dict:
-    """The trace at any batch from two cached ones (batch 1 and 2): each term is a + b x (per sequence)."""
-    if s.config is None:
-        raise ValueError(f"the shape of {s.name!r} carries no config to trace: build it with model_shape")
-    key = (s.config.to_json_string(use_diff=False), type(s.config), mode, seq, padded, target if s.is_encoder_decoder else 0, lora)
+def traced(shape: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0, lora: tuple = ()) -> dict:
+    """The trace at any batch from two (batch 1 and 2): each term is a + b x (per sequence).
+    Cached, so `largest_batch`'s dozen estimates cost two traces."""
+    if shape.config is None:
+        raise ValueError(f"the shape of {shape.name!r} carries no config to trace: build it with model_shape")
+    key = (shape.config.to_json_string(use_diff=False), type(shape.config), mode, seq, padded,
+           target if shape.is_encoder_decoder else 0, lora)
     one, two = _traced(*key, 1), _traced(*key, 2)
 
-    def at(a, b):  # term by term, at this batch
-        return [at(x, y) for x, y in zip(a, b)] if isinstance(a, list) else a + (batch - 1) * (b - a)
+    def at(at_one, at_two):  # term by term, at this batch
+        if isinstance(at_one, list):
+            return [at(x1, x2) for x1, x2 in zip(at_one, at_two)]
+        return at_one + (batch - 1) * (at_two - at_one)
     terms = ("layers", "shared", "outside", "weight_copies", "layer_copies")
-    return {**{k: at(getattr(one, k), getattr(two, k)) for k in terms}, "types": one.types, "attention": one.attn_implementation}
+    return {**{term: at(getattr(one, term), getattr(two, term)) for term in terms},
+            "types": one.types, "attention": one.attn_implementation}
 
 
-def activations(s: Shape, setup: Setup) -> dict:
+def activations(shape: Shape, setup: Setup) -> dict:
     """Activation memory of one micro-batch: what forward saves, and what lives for a moment."""
-    mode, b, t = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
-    r = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
-    tokens = b * t
-    tr = traced(s, mode, t, setup.padded, b, setup.target_length, lora_terms.trace_key(setup))
-    targets = b * (setup.target_length or t) if s.is_encoder_decoder else tokens  # what the logits cover
+    mode, batch, seq = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
+    residual_bytes = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
+    tokens = batch * seq
+    traced_terms = traced(shape, mode, seq, setup.padded, batch, setup.target_length, lora_terms.trace_key(setup))
+    # What the logits cover: an encoder-decoder's targets, a decoder's every token.
+    targets = batch * (setup.target_length or seq) if shape.is_encoder_decoder else tokens
     ckpt = setup.options.gradient_checkpointing
+    layers, layer_copies = traced_terms["layers"], traced_terms["layer_copies"]
     # Checkpointing keeps each layer's input (its hidden states) and recomputes the rest in backward,
     # one layer at a time: that layer's activations, and under autocast its weight copies, again.
-    kept = [r * s.hidden_size * tokens] * len(tr["layers"]) if ckpt else tr["layers"]
-    recompute = [a + c for a, c in zip(tr["layers"], tr["layer_copies"])] if ckpt else [0] * len(kept)
-    copies = tr["weight_copies"] - (sum(tr["layer_copies"]) if ckpt else 0)
-    return {"saved": sum(kept) + tr["shared"] + tr["outside"], "per_layer": max(tr["layers"], default=0),
+    kept = [residual_bytes * shape.hidden_size * tokens] * len(layers) if ckpt else layers
+    recompute = [saved + copies for saved, copies in zip(layers, layer_copies)] if ckpt else [0] * len(kept)
+    copies = traced_terms["weight_copies"] - (sum(layer_copies) if ckpt else 0)
+    return {"saved": sum(kept) + traced_terms["shared"] + traced_terms["outside"], "per_layer": max(layers, default=0),
             "weight_copies": copies, "kept_by_layer": kept, "layer": max(kept, default=0),
             "recompute_by_layer": recompute, "recompute": max(recompute, default=0),
-            "logits": 8 * targets * s.vocab_size, "types": tr["types"], "attention": tr["attention"]}
+            "logits": 8 * targets * shape.vocab_size, "types": traced_terms["types"],
+            "attention": traced_terms["attention"]}
 
 
-def buffers(s: Shape, setup: Setup) -> dict:
+def buffers(shape: Shape, setup: Setup) -> dict:
     """Communication buckets and FSDP's gathered units (AdamW's temporary: `moments.py`)."""
     setup = hybrid.as_fsdp(setup)  # HSDP gathers the units FSDP on one shard group gathers
-    c = 4 if compute_mode(setup) == "fp32" else 2
+    compute_bytes = 4 if compute_mode(setup) == "fp32" else 2
     gathered = 0  # FSDP: the root and two layers at once (the whole model without the wrap policy)
     if setup.strategy == "fsdp":
-        wrapped = setup.options.layer_wrap_policy and s.layer_params
-        gathered = c * (s.root_params + 2 * s.layer_params if wrapped else s.num_params)
-    return {"gathered_units": gathered, "buckets": lora_terms.bucket_bytes(s, setup)}  # of what is trained
+        wrapped = setup.options.layer_wrap_policy and shape.layer_params
+        gathered = compute_bytes * (shape.root_params + 2 * shape.layer_params if wrapped else shape.num_params)
+    return {"gathered_units": gathered, "buckets": lora_terms.bucket_bytes(shape, setup)}  # of what is trained
 
 
-def estimate(s: Shape, setup: Setup) -> dict:
+def estimate(shape: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
-    extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(s, setup), setup), hybrid.as_fsdp(setup)
-    states, acts, bufs = model_states(s, setup), activations(s, setup), buffers(s, setup)  # HSDP: FSDP on S ranks
-    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, states, acts, s), extra)
-    sides = offload_split.sides(s, setup, at) if setup.options.cpu_offload else {}  # device and host columns
+    # HSDP: FSDP on one shard group of S ranks, plus the all-reduce across copies (`hybrid.py`).
+    extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(shape, setup), setup), hybrid.as_fsdp(setup)
+    states, acts, bufs = model_states(shape, setup), activations(shape, setup), buffers(shape, setup)
+    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(shape, setup), setup, states, acts, shape),
+                               extra)
+    sides = offload_split.sides(shape, setup, at) if setup.options.cpu_offload else {}  # device and host columns
     peak = sides["device"] if sides else max(sum(terms.values()) for terms in at.values())  # offload: the GPU's
     bufs["optimizer_step"] = at["step"]["optimizer step temporary"]  # AdamW's, as the step makes it
     return {**states, **bufs, "activations": acts["saved"], "activations_per_layer": acts["per_layer"],
             "weight_copies": acts["weight_copies"], "recompute": acts["recompute"], "logits": acts["logits"],
-            "peak": peak, **{k: sides[k] for k in ("device", "host") if sides}}
+            "peak": peak, **{side: sides[side] for side in ("device", "host") if sides}}
 
 
-def peak_moment(s: Shape, setup: Setup) -> tuple[str, dict]:
+def peak_moment(shape: Shape, setup: Setup) -> tuple[str, dict]:
     """The moment of the step where the peak falls, and what is alive then (`moments.py`)."""
-    extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(s, setup), setup), hybrid.as_fsdp(setup)
-    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(s, setup), setup, model_states(s, setup),
-                                               activations(s, setup), s), extra)
-    name = max(at, key=lambda m: sum(at[m].values()))
+    extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(shape, setup), setup), hybrid.as_fsdp(setup)
+    at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(shape, setup), setup,
+                                               model_states(shape, setup), activations(shape, setup), shape), extra)
+    name = max(at, key=lambda moment: sum(at[moment].values()))
     return name, at[name]
 
 
-def largest_batch(s: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) -> int:
+def largest_batch(shape: Shape, setup: Setup, gpu_memory: float, limit: int = 4096) -> int:
     """The largest batch per device whose estimated peak fits in `gpu_memory` (0: not even 1)."""
-    fits = lambda b: estimate(s, replace(setup, batch_size_per_device=b))["peak"] <= gpu_memory
+    def fits(batch: int) -> bool:
+        return estimate(shape, replace(setup, batch_size_per_device=batch))["peak"] <= gpu_memory
+
     lo, hi = 0, 1
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
