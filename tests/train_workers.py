@@ -15,6 +15,39 @@ def run_finetunes(argvs):
     return [run_finetune(argv) for argv in argvs]
 
 
+def train_steps(model, strategy, optimizer, sequences, sampler, pad_token_id, micro_batch, steps,
+                after_optimizer_step=None) -> tuple[list, list, list, list]:
+    """The loop's step, bare, for the parity workers (tests/parallel/): each step, this rank's
+    micro-batches of the global batch, `train_step`, clipping at 1.0, the optimizer's step.
+
+    Returns, one entry per step: the global batch's mean token loss (all ranks' sums, over all its
+    targets), the gradient norm before clipping, the bytes sent, and what `after_optimizer_step()`
+    returned between the optimizer's step and `zero_grad` (nothing when it is not given)."""
+    import torch.distributed as dist
+
+    from minidist import batches
+    from minidist.runtime.distributed import get_env
+    from minidist.step import train_step
+
+    env = get_env()
+    losses, grad_norms, comm_bytes, after = [], [], [], []
+    for step in range(steps):
+        global_ids = sampler.global_batch(step)
+        num_targets = sum(len(sequences[i]) - 1 for i in global_ids)
+        micro_batches = [batches.collate([sequences[i] for i in ids], pad_token_id)
+                         for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_batch)]
+        loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
+        grad_norms.append(strategy.clip_grad_norm_(model, 1.0))  # of the averaged gradient, before clipping
+        optimizer.step()
+        if after_optimizer_step is not None:
+            after.append(after_optimizer_step())
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        losses.append(loss_sum.item() / num_targets)
+        comm_bytes.append(strategy.take_comm_bytes())
+    return losses, grad_norms, comm_bytes, after
+
+
 def evaluate_sharded(model_dir, strategy_name, num_prefixes):
     """The legal-move rate of a model wrapped by `strategy_name`, each rank judging its share."""
     from minidist.chess import jsonl, legal_moves

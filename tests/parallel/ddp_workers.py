@@ -75,9 +75,9 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
     from minidist.chess import jsonl
     from minidist.chess.games import bundled_games
     from minidist.hf import models
-    from minidist.step import train_step
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
+    from train_workers import train_steps
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
@@ -96,19 +96,8 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
         model = strategy.wrap(model)
         optimizer = strategy.build_optimizer(model, lr)
         strategy.take_comm_bytes()
-        losses, comm_bytes = [], []
-        for step in range(steps):
-            global_ids = sampler.global_batch(step)
-            num_targets = sum(len(sequences[i]) - 1 for i in global_ids)
-            micro_batches = [batches.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
-                             for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_batch)]
-            loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
-            strategy.clip_grad_norm_(model, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            dist.all_reduce(loss_sum)
-            losses.append(loss_sum.item() / num_targets)
-            comm_bytes.append(strategy.take_comm_bytes())
+        losses, _, comm_bytes, _ = train_steps(model, strategy, optimizer, sequences, sampler, tokenizer.pad_token_id,
+                                               micro_batch, steps)
         results[variant, str(dtype)] = {
             "losses": losses, "comm_bytes": comm_bytes, "checksum_before": checksum_before,
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),

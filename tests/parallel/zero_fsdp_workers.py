@@ -10,7 +10,6 @@ buffers' sizes and, for FSDP, how many units were gathered at once.
 import time
 
 import torch
-import torch.distributed as dist
 
 from minidist.runtime.distributed import get_env
 
@@ -65,12 +64,11 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
     or, with meta=True, build the model on the meta device through FSDP's `load_model`. Either
     way only the broadcast (ZeRO, DDP) or the scatter (FSDP) at wrap time can make the runs
     agree with the single-process reference."""
-    from minidist import batches
     from minidist.hf import models
-    from minidist.step import train_step
     from minidist.memory import measure
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
+    from train_workers import train_steps
 
     env = get_env()
     started = time.perf_counter()
@@ -95,20 +93,10 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
     model = impl.wrap(model)
     optimizer = impl.build_optimizer(model, lr)
     impl.take_comm_bytes()  # what wrapping sent is not a step's
-    losses, grad_norms, comm_bytes, memory = [], [], [], []
-    for step in range(steps):
-        global_ids = sampler.global_batch(step)
-        num_targets = sum(len(sequences[i]) - 1 for i in global_ids)
-        micro_batches = [batches.collate([sequences[i] for i in ids], tokenizer.pad_token_id)
-                         for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_batch)]
-        loss_sum = train_step(model, impl, micro_batches, num_targets, env.world_size)
-        grad_norms.append(impl.clip_grad_norm_(model, 1.0))  # of the averaged gradient, before clipping
-        optimizer.step()
-        memory.append(measure.model_state_bytes(model, optimizer))  # after the step, before zero_grad
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
-        losses.append(loss_sum.item() / num_targets)
-        comm_bytes.append(impl.take_comm_bytes())
+    # memory: model-state bytes after each optimizer step, before zero_grad
+    losses, grad_norms, comm_bytes, memory = train_steps(
+        model, impl, optimizer, sequences, sampler, tokenizer.pad_token_id, micro_batch, steps,
+        after_optimizer_step=lambda: measure.model_state_bytes(model, optimizer))
     flats = _flats(model, strategy)
     result = {
         "losses": losses, "grad_norms": grad_norms, "comm_bytes": comm_bytes, "memory": memory,
