@@ -37,20 +37,17 @@ that the GPU's copy engine writes while backward goes on; the end of backward wa
 
 **Where each tensor lives, on a CPU-only machine.** With no GPU both sides are the same memory,
 so a tensor's device cannot say which side it would be on. Every host tensor is placed by this
-module (`host_empty`, `to_host`), which records its storage (`is_host`); what the CPU computes
-from host tensors is host memory too (the optimizer's states and temporaries):
-`memory/sides.py` measures the two sides by these rules.
+module (`host_empty`, which `to_host` calls), and a measurement that needs to tell the two sides
+apart subscribes to it (`on_host_placement`): `memory/sides.py` does, and splits a step's live
+tensors by side from there.
 """
-
-import weakref
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-_HOST = {}  # id(storage) -> a weak reference to it: the storages placed on the host side
-_placing = [False]  # host_empty is allocating
 _copying = False  # an asynchronous copy to the host may still be running (`wait_for_copies`)
+_host_placement_callbacks = []  # told of every host tensor `host_empty` places (`on_host_placement`)
 
 
 def _pin() -> bool:
@@ -58,33 +55,18 @@ def _pin() -> bool:
     return torch.cuda.is_available()
 
 
-def register_host(t: torch.Tensor) -> torch.Tensor:
-    """Record `t`'s storage as host memory (until the storage is freed); return `t`."""
-    storage = t.untyped_storage()
-    key = id(storage)
-    if key not in _HOST:
-        _HOST[key] = weakref.ref(storage, lambda _, key=key: _HOST.pop(key, None))
-    return t
-
-
-def is_host(t: torch.Tensor) -> bool:
-    """Whether `t` lives on the host side (placed by this module, or marked by `register_host`)."""
-    ref = _HOST.get(id(t.untyped_storage()))
-    return ref is not None and ref() is not None
+def on_host_placement(callback) -> None:
+    """Call `callback(tensor)` with every host tensor placed from now on, as soon as it is allocated.
+    For measurement only (`memory/sides.py`): offloading itself never asks where a tensor is."""
+    _host_placement_callbacks.append(callback)
 
 
 def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor, pinned where there is a GPU to copy to and from."""
-    _placing[0] = True  # a tracer watching allocations sees it as host memory from the start (`placing`)
-    try:
-        return register_host(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=_pin()))
-    finally:
-        _placing[0] = False
-
-
-def placing() -> bool:
-    """Whether the tensor being allocated now is placed on the host by `host_empty`."""
-    return _placing[0]
+    out = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=_pin())
+    for callback in _host_placement_callbacks:
+        callback(out)
+    return out
 
 
 def to_host(t: torch.Tensor, dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
@@ -114,13 +96,6 @@ def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
         param.grad = to_host(grad, torch.float32, non_blocking=True)
     else:
         param.grad += to_host(grad, torch.float32)
-
-
-def gradient_for(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The fp32 gradient for a master weight, on the master's side (ZeRO's step: its shard's gradient)."""
-    if not is_host(master) or is_host(grad):
-        return grad.to(torch.float32)  # a view where it already is fp32
-    return to_host(grad).to(torch.float32)  # over PCIe in the gradient's dtype (bf16: half the bytes), cast on the CPU
 
 
 class DeviceCopy:

@@ -66,7 +66,7 @@ class FlatBucket:
     """The parameters of one flat buffer and what ZeRO keeps for them on this rank."""
 
     def __init__(self, params, world_size: int, rank: int, param_dtype: torch.dtype, host: bool = False):
-        self.params = params
+        self.params, self.host = params, host
         self.layout = FlatLayout(params, world_size, rank)
         data = self.layout.flatten(params, torch.float32)  # the full fp32 weights, for a moment
         if param_dtype == torch.float32 and not host:
@@ -97,6 +97,15 @@ class FlatBucket:
             if lo < hi and p.grad is not None:
                 out[lo - start:hi - start] = p.grad.reshape(-1)[lo - offset:hi - offset]
         return out
+
+    def master_gradient(self) -> torch.Tensor:
+        """The fp32 gradient of this rank's shard, on the master's side. Host masters (--cpu_offload)
+        get it over PCIe in the gradient's dtype (bf16: half the bytes), cast on the CPU, unless
+        it already is there (ZeRO-2's shard, copied out when it was reduced: `offload.py`)."""
+        grad = self.own_gradient()
+        if self.host and self.grad_shard is None:
+            grad = offload.to_host(grad)
+        return grad.to(torch.float32)  # a view where it already is fp32
 
     def zero_grad(self, set_to_none: bool) -> None:
         if self.grad is not None:  # ZeRO-1: each param.grad is a view of it, kept for the next step
@@ -167,7 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for masters in pack_buckets([b.master for b in self.buckets], STEP_BYTES):
             group = [of_master[id(m)] for m in masters]
             for bucket in group:
-                bucket.master.grad = offload.gradient_for(bucket.master, bucket.own_gradient())  # fp32, its side
+                bucket.master.grad = bucket.master_gradient()
             self.optimizer.step()
             for bucket in group:
                 bucket.master.grad = None
@@ -279,9 +288,6 @@ class ZeroDP(DataParallelWrapper):
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group)
-
-    def gradient_shards(self) -> list[torch.Tensor]:
-        return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
 
     def flats(self) -> list[Flat]:
         names = {}

@@ -45,7 +45,8 @@ def _step(model, optimizer, batch):
 def where_things_live(model_dir, strategies=("zero1", "zero2", "fsdp")):
     """After one step of each sharded strategy with --cpu_offload (bf16), which side holds what:
     masters and their gradients on the host, the compute-dtype weights on the device."""
-    from minidist.parallel import offload
+    from minidist.memory import sides  # before wrapping: it learns of the host tensors as they are placed
+    from minidist.memory.measure import gradient_shards
 
     results = {}
     batch = _batch(model_dir, 2, 32)
@@ -57,13 +58,13 @@ def where_things_live(model_dir, strategies=("zero1", "zero2", "fsdp")):
             grads = [u.flat_param.grad for u in model.units]
             device_side = [u.device_shard.tensor for u in model.units]
         else:
-            grads = model.gradient_shards() if strategy == "zero2" else []
+            grads = gradient_shards(model) if strategy == "zero2" else []
             device_side = [b.weights for b in model.buckets]
         results[strategy] = {
-            "masters_host": all(offload.is_host(m) for m in masters) and len(masters) > 0,
+            "masters_host": all(sides.is_host(m) for m in masters) and len(masters) > 0,
             "masters_fp32": all(m.dtype == torch.float32 for m in masters),
-            "grads_host": all(offload.is_host(g) for g in grads), "num_grads": len(grads),
-            "device_side_host": any(offload.is_host(t) for t in device_side),
+            "grads_host": all(sides.is_host(g) for g in grads), "num_grads": len(grads),
+            "device_side_host": any(sides.is_host(t) for t in device_side),
             "device_side_dtype": {str(t.dtype) for t in device_side},
         }
     return results
