@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from minidist.parallel.wrapper import DataParallelWrapper
+from minidist.parallel.zero import ZeroDP
 
 TERMS = ("parameters", "gradients", "optimizer_states", "activations", "peak")
 
@@ -61,14 +61,21 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     # states, unless they are views of the model's own parameters (ZeRO in fp32), already counted.
     extra = [p for group in optimizer.param_groups for p in group["params"] if all(p is not q for q in params)]
     states = [t for state in optimizer.state.values() for t in state.values()]
-    # ZeRO-2 keeps its gradient shards outside any .grad, and says where.
-    shards = model.gradient_shards() if isinstance(model, DataParallelWrapper) else []
+    shards = gradient_shards(model)
     # FSDP by hand holds frozen weights (LoRA's base) as shards outside any parameter (parallel/frozen.py).
     frozen = [flat.shard for flat in model.frozen_flats()] if hasattr(model, "frozen_flats") else []
     counted = set()
     return {"parameters": storage_bytes(params + frozen, counted),
             "gradients": storage_bytes([p.grad for p in params + extra] + shards, counted),
             "optimizer_states": storage_bytes(states + extra, counted)}
+
+
+def gradient_shards(model) -> list[torch.Tensor]:
+    """Gradients kept outside any `param.grad`: ZeRO-2's, the reduced shard of each bucket
+    (`zero.FlatBucket.grad_shard`, from its reduce-scatter to `zero_grad`)."""
+    if not isinstance(model, ZeroDP):
+        return []
+    return [b.grad_shard for b in model.buckets if b.grad_shard is not None]
 
 
 class _Saved:

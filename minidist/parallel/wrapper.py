@@ -60,10 +60,6 @@ class DataParallelWrapper(nn.Module):
         """The flat shards this rank holds (ZeRO, FSDP), for checkpoints; none for DDP."""
         return []
 
-    def gradient_shards(self) -> list[torch.Tensor]:
-        """Gradients kept outside any `param.grad` (ZeRO-2's shards), for `memory/measure.py`."""
-        return []
-
 
 def weak_hook(method):
     """`method` as a tensor hook that does not keep its object alive (see the module docstring)."""
