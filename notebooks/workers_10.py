@@ -24,8 +24,7 @@ from minidist.chess import jsonl
 from minidist.hf import models
 from minidist.step import train_step
 from minidist.runtime.distributed import get_env
-from minidist.memory.sides import SplitLiveTensors
-from minidist.parallel import offload
+from minidist.memory.sides import SplitLiveTensors, is_host
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
 
@@ -44,7 +43,7 @@ def split_steps(model_dir: str, games: str, variants: list[tuple[str, bool]], ba
     """For each (strategy, cpu_offload) in `variants`: wrap the model, take two steps with the
     loop's own calls, and watch the second (the first makes AdamW's moments). By variant, this
     rank's device and host peaks over the whole step, and whether every tensor the optimizer steps
-    (the fp32 masters) is on the host (`offload.is_host`)."""
+    (the fp32 masters) is on the host (`sides.is_host`)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no loading bar per rank and per variant in the notebook
@@ -73,7 +72,7 @@ def split_steps(model_dir: str, games: str, variants: list[tuple[str, bool]], ba
             step()
         masters = [p for group in optimizer.param_groups for p in group["params"]]
         out[name, cpu_offload] = {"device": live.device_peak, "host": live.host_peak,
-                                  "masters_on_host": all(offload.is_host(p) for p in masters)}
+                                  "masters_on_host": all(is_host(p) for p in masters)}
         del model, optimizer, strategy
     return out
 

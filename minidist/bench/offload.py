@@ -14,6 +14,7 @@ import statistics
 import torch
 
 from minidist.bench.strategies import time_steps
+from minidist.memory.sides import SplitLiveTensors  # imported before any wrapping: it sees host tensors placed
 
 STRATEGIES = ("zero2", "fsdp")
 
@@ -31,7 +32,6 @@ def _build(strategy_name, cpu_offload, source, env):
 
 def _device_peak(step, model, optimizer, device) -> int:
     from minidist.memory.measure import step_peak
-    from minidist.memory.sides import SplitLiveTensors
 
     if device.type == "cuda":
         return step_peak(step, model, optimizer, device)
