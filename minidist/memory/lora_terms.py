@@ -114,7 +114,8 @@ def model_states(s, setup) -> dict:
     rows = lora_rows(s, setup)
     lora = sum(numel for _, numel in rows)
     if k == "fsdp" and impl == "torch":  # FSDP2 shards every tensor by rows, in fp32
-        shard = lambda rs: sum(math.ceil(r / n) * (numel // r) for r, numel in rs)  # noqa: E731
+        def shard(param_rows):  # this rank's elements: ceil(rows / N) rows of every tensor
+            return sum(math.ceil(dim0 / n) * (numel // dim0) for dim0, numel in param_rows)
         base, trained = 4 * shard(s.param_rows), shard(rows)
         return {"parameters": base + 4 * trained, "gradients": 4 * trained,
                 "optimizer_states": 8 * trained + 4 * len(rows)}
