@@ -1,19 +1,31 @@
 """What the lessons teach, one idea per module, in lesson order:
 
-    01  comm.py        collectives, the bytes each rank sends under the ring algorithm, a ring all-reduce by hand
-    02  ddp.py         data parallelism: naive, then bucketed with communication overlapping backward
-        wrapper.py     what every hand-written wrapper shares: broadcast, no_sync, buckets, the gradient count
-    03  (no_sync)      gradient accumulation: `wrapper.py`'s `no_sync`, driven by `step.train_step`
-    04  zero.py        ZeRO-1 (also as an optimizer around any torch.optim class) and ZeRO-2
-        flat.py        the flat layout ZeRO and FSDP share: flatten, pad, shard; gather and scatter whole flats
-    05  fsdp.py        ZeRO-3: units by layer class, prefetch, the story of a step
-        unit.py        one unit's life: gather and free its weights, reduce-scatter its gradient
-    06  recompute.py   activation checkpointing, one decoder layer at a time
-    07  precision.py   bf16 compute, fp32 masters and reductions
-    09  strategy.py    the interface the training loop calls, a table of strategies, PyTorch's own as the reference
-        options.py     every parallel option of a run, in one dataclass
-        mesh.py        the process-group layout: the data-parallel shard and replicate dimensions
+    01  comm.py          collectives, the bytes each rank sends under the ring algorithm, a ring
+                         all-reduce by hand
+    02  ddp.py           data parallelism: naive, then bucketed with communication overlapping backward
+        wrapper.py       what the hand-written wrappers share: broadcast, no_sync, weak hooks; buckets
+                         and the gradient count (DDP and ZeRO)
+    03  (no_sync)        gradient accumulation: `wrapper.py`'s `no_sync`, driven by `step.train_step`
+    04  zero.py          ZeRO-1 (also as an optimizer around any torch.optim class) and ZeRO-2
+        flat.py          the flat layout ZeRO and FSDP share: flatten, pad, shard; gather and scatter
+                         whole flats
+    05  fsdp.py          ZeRO-3: units by layer class, prefetch, the story of a step, the queue of
+                         reductions in flight
+        unit.py          one unit's life: gather and free its weights, reduce-scatter its gradient
+    06  recompute.py     activation checkpointing, one decoder layer at a time
+    07  precision.py     bf16 compute, fp32 masters and reductions
+    08  flat_state.py    checkpoints of flat shards (the hand-written ZeRO's and FSDP's side of
+                         `checkpoint/state.py`): full or sharded, resharded on load
+    09  strategy.py      the interface the training loop calls, a table of strategies, PyTorch's own
+                         as the reference
+        options.py       every parallel option of a run, in one dataclass
+        mesh.py          the process-group layout: the data-parallel shard and replicate dimensions
+    10  offload.py       CPU offload (ZeRO-Offload): masters, moments and the optimizer step on the host
+        frozen.py        frozen parameters in an FSDP unit (LoRA's base weights): gathered, never reduced
 
-Lesson 00 (memory) is `minidist/memory/`; lesson 08 (checkpoints) is `minidist/checkpoint/state.py` and
-`minidist/parallel/flat_state.py`. Nothing is imported here: each module is imported by its own name.
+Measurement, not taught: `across_nodes.py` splits `comm.py`'s byte count into the bytes within a
+node and across nodes, for metrics.jsonl (a subscriber of `comm.counter`).
+
+Lesson 00 (memory) is `minidist/memory/`. Nothing is imported here: each module is imported by its
+own name.
 """

@@ -24,8 +24,9 @@ hand-written FSDP and PyTorch's FSDP2 then run on the same groups.
 
 This object is where the choice is made, and every piece of the run reads its groups from it:
 the loop (how the batch is split), both FSDPs and ZeRO (`shard_group`, `replicate_group`), DDP
-(`group`), the byte counter (each collective counts by the size of its own group) and the
-checkpoints (`shard_device_mesh`, `placements`).
+(`group`) and the checkpoints (`shard_device_mesh`, `placements`). The byte counter does not
+read it: each collective counts by the size of the group it runs over (`comm.py`), and which
+ring links cross nodes comes from the ranks per node, `LOCAL_WORLD_SIZE` (`across_nodes.py`).
 """
 
 from dataclasses import dataclass

@@ -22,8 +22,10 @@ bf16 has fp32's range, so unlike fp16 it needs no loss scaling.
 How each strategy applies the policy (one `MixedPrecision`, three mechanisms):
 
 - DDP (`ddp.py`): the model keeps fp32 parameters, which are the masters; `torch.autocast` runs
-  the matmuls in bf16 (`autocast` below, which `Strategy.autocast` enters around forward and
-  backward, for both DDPs). Gradients come out fp32; buckets are reduced in
+  the matmuls in bf16 (`autocast` below, which `Strategy.autocast` enters around the forward
+  only, for both DDPs: `step.token_loss_sum`). Backward needs no context of its own: autograd
+  runs each operator's backward in the dtype its forward ran in, so the matmuls' gradients are
+  bf16 too. Gradients come out fp32 (the parameters' dtype); buckets are reduced in
   `reduce_dtype`.
 - ZeRO-1/2 (`zero.py`): the model's parameters become bf16 (2 bytes each, what the ZeRO paper
   counts), and each rank keeps an fp32 master copy of its shard only, in the optimizer. After the

@@ -20,8 +20,10 @@ a `ParallelOptions` (`options.py`) and a `DataParallelMesh` (`mesh.py`: its proc
 
 `Strategy` itself is what a model replicated on every rank needs (both DDPs): one class per
 strategy below overrides only what it does differently. ZeRO and FSDP by hand share
-`ShardedByHand`: optimizer states live in flat shards, which clipping, saving and loading reach
-through the wrapper's `flats()`.
+`ShardedByHand`: weights and optimizer states live in flat shards (`flat.py`). Saving and
+loading reach them through the wrapper's `flats()` (`flat_state.py`, `full_parameters`);
+clipping asks the wrapper, which takes the norm of its sharded gradients
+(`flat.clip_sharded_grad_norm_`).
 
 Both implementations *average* gradients over ranks, as PyTorch's DDP does. The loop divides
 each rank's summed token loss by the token count of the whole global batch and multiplies by
@@ -89,7 +91,8 @@ class Strategy:
         return model.no_sync()
 
     def autocast(self):
-        """The compute precision of forward and backward, where the weights stay fp32 (DDP)."""
+        """The compute precision of the forward, where the weights stay fp32 (DDP; backward runs
+        each operator in the dtype its forward ran in)."""
         return precision.autocast(self.mp, self.env.device) if self.autocast_weights else nullcontext()
 
     def take_comm_bytes(self, split: bool = False) -> float | dict | None:

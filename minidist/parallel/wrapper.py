@@ -1,14 +1,19 @@
-"""What every hand-written data-parallel wrapper shares: written once, used by DDP, ZeRO and FSDP.
+"""What the hand-written data-parallel wrappers share, written once. Every one of DDP, ZeRO and
+FSDP is a `DataParallelWrapper` and registers its hooks with `weak_hook`; DDP and ZeRO also pack
+buckets and count gradients. (FSDP needs neither: its unit of communication is a layer, and a
+unit's flat buffer tells it when the unit's backward is done.)
 
 - **Start equal**: rank 0's parameters and buffers are broadcast to every rank when the model is
-  wrapped (`broadcast_from_first_rank`). Ranks may have initialised or loaded different weights.
+  wrapped (`broadcast_from_first_rank`; FSDP broadcasts its buffers only, and scatters the
+  weights). Ranks may have initialised or loaded different weights.
 - **Accumulate without talking**: inside `no_sync()` a backward pass only adds into the local
   gradients; the strategy's hooks look at `require_sync` and send nothing.
-- **Buckets**: parameters are packed, in the order backward produces their gradients, into groups
-  of about `bucket_cap_mb`, so that a few large messages replace many small ones (`pack_buckets`).
-- **Every gradient arrives**: a hook per parameter counts the gradients of a backward; when the
-  count is complete, the backward is over. A parameter that never gets one would stall the count,
-  so the next forward names it (`GradientCount`).
+- **Buckets** (DDP, ZeRO): parameters are packed, in the order backward produces their gradients,
+  into groups of about `bucket_cap_mb`, so that a few large messages replace many small ones
+  (`pack_buckets`).
+- **Every gradient arrives** (DDP, ZeRO): a hook per parameter counts the gradients of a
+  backward; when the count is complete, the backward is over. A parameter that never gets one
+  would stall the count, so the next forward names it (`GradientCount`).
 - **Hooks that let go**: a hook stored on a tensor is held by PyTorch's C++ side, where Python's
   cycle collector cannot follow it. A hook that refers to its wrapper (a bound method does) would
   keep the wrapper alive for as long as the parameter lives, and with it the process group and
