@@ -7,8 +7,13 @@
 
 One loop for every strategy: the strategy wraps the model, builds the optimizer and decides
 what communication a backward pass does; the loop only feeds batches and steps (see
-`parallel/strategy.py`). The parallel flags are `ParallelOptions`' (`parallel/options.py`),
-and the ranks' layout is `parallel/mesh.py`'s: every data-parallel rank gets its own micro-batches.
+`parallel/strategy.py`). The parallel flags are `ParallelOptions`' (`parallel/options.py`), and
+the ranks' layout is `parallel/mesh.py`'s: every data-parallel rank gets its own micro-batches.
+
+Read it top to bottom: `parse_args` (the options), `train` (the run claims its output folder),
+`_train` (strategy, model, optimizer, the step loop with one record per step, the end), then the
+helpers `_train` calls, in the order it calls them. One step is `step.py`'s; its record is
+`runtime/metrics.py`'s; checkpoints and stop signals are one object, `checkpoint/session.py`'s.
 
 The global batch is `batch_size_per_device x world_size x gradient_accumulation_steps`
 sequences. Which sequences form global batch k depends on the seed alone, so 1 rank with
@@ -187,6 +192,16 @@ def _train(args, env, session: Session, around_train_step) -> dict:
     return results
 
 
+@dataclass
+class Games:
+    """The chess games as the loop uses them: tokenized, dealt out by step, and the held-out prefixes."""
+
+    tokenizer: object
+    sequences: list[list[int]]  # token ids per game (batches.tokenize_games)
+    sampler: batches.GlobalBatchSampler  # which games form global batch k, and who computes which
+    prefixes: list  # held-out game prefixes for the legal-move rate ([]: --eval_prefixes 0)
+
+
 def _check(args, env, session: Session):
     """Everything a learner can get wrong, checked before the expensive model load: the strategy
     and LoRA's flags, the model's folder, the data, and the checkpoint `--resume` names (in
@@ -211,16 +226,6 @@ def _check(args, env, session: Session):
     except (FileNotFoundError, NotImplementedError, ValueError) as err:
         raise UsageError(err) from err
     return strategy, lora_options, Games(tokenizer, sequences, sampler, prefixes)
-
-
-@dataclass
-class Games:
-    """The chess games as the loop uses them: tokenized, dealt out by step, and the held-out prefixes."""
-
-    tokenizer: object
-    sequences: list[list[int]]  # token ids per game (batches.tokenize_games)
-    sampler: batches.GlobalBatchSampler  # which games form global batch k, and who computes which
-    prefixes: list  # held-out game prefixes for the legal-move rate ([]: --eval_prefixes 0)
 
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):
