@@ -70,7 +70,8 @@ class ByteCounter:
             subscriber.reset()
 
     def add(self, rounds: int, nbytes: int, world_size: int, group=None) -> None:
-        """``rounds`` ring rounds (N-1 or 2(N-1)) over ``group``, of N ranks, each sending 1/N of ``nbytes``."""
+        """``rounds`` ring rounds (N-1 or 2(N-1)) over ``group``, of N ranks, each sending 1/N of
+        ``nbytes``; the subscribers are told of it."""
         sent = Fraction(rounds * nbytes, world_size)
         self._sent += sent
         for subscriber in self.subscribers:

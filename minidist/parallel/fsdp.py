@@ -23,8 +23,9 @@ and all that lives between steps. The original parameters are removed from their
 4. *after its backward* (autograd has accumulated the gradient of the full flat buffer) the
    gathered weights are freed and the gradient's reduce-scatter is launched, asynchronously:
    rank r will get the sum of its shard, averaged, in `flat_param.grad`. Then the previous
-   unit's reduce-scatter is waited for and its full gradient let go: at most two units' full
-   gradients are ever alive (one on the wire, one that autograd fills), not the whole model's.
+   unit's reduce-scatter is waited for and its full gradient let go (`Reductions`, the wrapper's
+   queue): at most two units' full gradients are ever alive (one on the wire, one that autograd
+   fills), not the whole model's.
 Bytes per rank per step: all-gather P + all-gather P + reduce-scatter P, each (N-1)/N: 3P(N-1)/N,
 1.5x DDP's 2P(N-1)/N. (PyTorch's FSDP2 keeps the root unit gathered from forward to backward,
 saving one all-gather of it; here every unit follows the same four steps.) With gradient
@@ -34,9 +35,10 @@ gather each unit twice: (2k + 1)P(N-1)/N for k micro-batches.
 **Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at
 the same place on every node), the units are sharded over `process_group`, the S ranks of a node,
 and the R nodes each hold a copy. Gathers and reduce-scatters stay within the node. When a unit's
-reduce-scatter is waited for (at the next unit's post-backward), its gradient shard's all-reduce
-over the copies is launched, asynchronously, and waited for one unit later (or when backward
-ends). The gradient is divided by all R x S ranks. Loading scatters rank 0's weights over node 0 and broadcasts each shard from
+reduce-scatter is waited for (at the next unit's post-backward, by the wrapper's queue of
+reductions, `Reductions`), its gradient shard's all-reduce over the copies is launched,
+asynchronously, and waited for one unit later (or when backward ends). The gradient is divided by
+all R x S ranks. Loading scatters rank 0's weights over node 0 and broadcasts each shard from
 there to the other copies. Bytes per rank: 3P(S-1)/S within the node, 2(P/S)(R-1)/R across.
 
 **Prefetch.** While unit i computes, unit i+1's all-gather is already in flight (launched
@@ -51,10 +53,10 @@ gradient is reduce-scattered in `reduce_dtype` (fp32 by default) into the fp32 g
 
 **Loading without N copies.** Only rank 0 needs the weights: the other ranks may build the model
 on the meta device (shapes, no memory; `strategy.MinidistFSDP.load_model` does this), and each
-unit is flattened on rank 0 and *scattered*, rank r receiving shard r. For CodeLlama-7b on a 4-GPU node:
-rank 0 holds the fp32 model in host memory (27 GB) plus one flattened unit (a decoder layer,
-202M parameters: 0.8 GB), the three other ranks hold nothing, and each GPU receives 6.7 GB of
-fp32 shards; if every rank loaded the model, the node would need 4 x 27 = 108 GB of host memory.
+unit is flattened on rank 0 and *scattered*, rank r receiving shard r. For CodeLlama-7b on a 4-GPU
+node: rank 0 holds the fp32 model in host memory (27 GB) plus one flattened unit (a decoder layer,
+202M parameters: 0.8 GB), the three other ranks hold nothing, and each GPU receives 6.7 GB of fp32
+shards; if every rank loaded the model, the node would need 4 x 27 = 108 GB of host memory.
 
 The learner's check that all this is right: `tests/parallel/test_zero_fsdp.py` trains it next to a
 single process on the whole batch and finds the same losses and weights.
@@ -192,14 +194,15 @@ class FullyShardedDataParallel(DataParallelWrapper):
 
 
 class Reductions:
-    """The wrapper's queue of gradient reductions in flight, across units: each unit's post-backward
-    hook hands it the reduce-scatter it launched (`add`), and the end of backward empties it (`finish`).
+    """The wrapper's queue of gradient reductions in flight, across units: each unit's
+    post-backward hook hands it the reduce-scatter it launched (`add`), and the end of backward
+    empties it (`finish`).
 
     A unit's reduce-scatter is waited for one unit later, when the next unit hands in its own: the
-    collective runs while autograd computes the next unit's gradient, and at most two full
-    gradients are alive (one on the wire, one that autograd fills), not the whole model's. Once it is
-    done, the shard is added into the unit's `flat_param.grad` (`Unit.accumulate`). HSDP: the shard
-    must first be summed over the copies too; that all-reduce is started where the reduce-scatter
+    collective runs while autograd computes the next unit's gradient, and at most two full gradients
+    are alive (one on the wire, one that autograd fills), not the whole model's. Once it is done,
+    the shard is added into the unit's `flat_param.grad` (`Unit.accumulate`). HSDP: the shard must
+    first be summed over the copies too; that all-reduce is started where the reduce-scatter
     finishes (`_start_replicate`) and waited for one unit later again (`_finish_replicate`)."""
 
     def __init__(self, replicate_group=None):
@@ -214,8 +217,8 @@ class Reductions:
         self.scattering = (unit, handle, out, grad)  # `grad` lives until its collective is done
 
     def finish(self) -> None:
-        """Backward is over: wait for everything still in flight (HSDP: the last unit's all-reduce is
-        launched first, then the two are waited for)."""
+        """Backward is over: wait for everything still in flight (HSDP: the last unit's all-reduce
+        is launched first, then the two are waited for)."""
         self._finish_scatter()
         self._finish_replicate()
 
@@ -236,7 +239,8 @@ class Reductions:
         self.replicating.append((unit, work, out))
 
     def _finish_replicate(self) -> None:
-        """HSDP: wait for the all-reduces in flight; each unit takes its shard, summed over every rank."""
+        """HSDP: wait for the all-reduces in flight; each unit takes its shard, now summed over
+        every rank."""
         in_flight, self.replicating = self.replicating, []
         for unit, work, out in in_flight:
             work.wait()

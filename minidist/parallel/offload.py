@@ -26,13 +26,13 @@ every all-gather, two per step.
 
 **When it pays off.** The GPU gives up the 12P/N bytes of masters and moments and the gradient
 shard (ZeRO-2, FSDP), keeping the weights it computes with (ZeRO: 2P; FSDP: 2P/N), so the memory
-freed goes to a larger batch or a model that did not fit (CodeLlama-7b, FSDP on one 80 GB GPU:
-135 GB without offload, 17 GB with it and 135 GB of host memory, by the estimate). The price is the CPU's
-AdamW (a few GB/s of fp32 states, against a GPU's ~1 TB/s) and the PCIe copies, per step and
-independent of the batch: worth it when a step computes long (large batches, accumulation),
-not when the step is already short. The copies are asynchronous: a gradient shard leaves as
-soon as its reduce-scatter finishes (`accumulate_grad`), into pinned (page-locked) host memory
-that the GPU's copy engine writes while backward goes on; the end of backward waits for them
+freed goes to a larger batch or a model that did not fit (CodeLlama-7b, FSDP on one 80 GB GPU: 135
+GB without offload, 17 GB with it and 135 GB of host memory, by the estimate). The price is the
+CPU's AdamW (a few GB/s of fp32 states, against a GPU's ~1 TB/s) and the PCIe copies, per step and
+independent of the batch: worth it when a step computes long (large batches, accumulation), not
+when the step is already short. The copies are asynchronous: a gradient shard leaves as soon as
+its reduce-scatter finishes (`accumulate_grad`), into pinned (page-locked) host memory that the
+GPU's copy engine writes while backward goes on; the end of backward waits for them
 (`wait_for_copies`) before the CPU reads them.
 
 **Where each tensor lives, on a CPU-only machine.** With no GPU both sides are the same memory,
@@ -56,8 +56,9 @@ def _pin() -> bool:
 
 
 def on_host_placement(callback) -> None:
-    """Call `callback(tensor)` with every host tensor placed from now on, as soon as it is allocated.
-    For measurement only (`memory/sides.py`): offloading itself never asks where a tensor is."""
+    """Call `callback(tensor)` with every host tensor placed from now on, as soon as it is
+    allocated. For measurement only (`memory/sides.py`): offloading itself never asks where a
+    tensor is."""
     _host_placement_callbacks.append(callback)
 
 

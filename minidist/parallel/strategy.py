@@ -232,7 +232,8 @@ class MinidistFSDP(ShardedByHand):
 
 class TorchFSDP(Strategy):
     """PyTorch's FSDP2 (`fully_shard`): one unit per decoder layer, then the root for the rest.
-    On HSDP's 2-D mesh (`--strategy hsdp`) fully_shard replicates along dim 0 and shards along dim 1."""
+    On HSDP's 2-D mesh (`--strategy hsdp`) fully_shard replicates along dim 0 and shards along
+    dim 1."""
 
     def wrap(self, model):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

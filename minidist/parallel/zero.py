@@ -46,10 +46,14 @@ memory, communication overlapped with backward.
 In fp32 the master *is* the shard of the model's own flat buffer (a view, no copy). In bf16 the
 gradients are summed in `reduce_dtype` (fp32 by default: the bucket is cast for the collective)
 and the sum is kept in the gradient's own dtype, bf16; the optimizer gets an fp32 copy of its
-shard's gradient for the step only, a few buckets at a time. With accumulation, `no_sync()`
-micro-batches add into the local gradients; ZeRO-2 then holds full gradients until the last one
-(PyTorch's FSDP: `set_requires_gradient_sync(False)`). `--cpu_offload` keeps the masters and the
-step on the host (`offload.py`). `flat.py`'s layout is shared with `fsdp.py` (ZeRO-3).
+shard's gradient for the step only, a few buckets at a time. With gradient accumulation,
+`no_sync()` micro-batches add into the local gradients without communication; ZeRO-2 then holds
+full gradients until the last micro-batch, as PyTorch's FSDP does with
+`set_requires_gradient_sync(False)`.
+
+`--cpu_offload` keeps the masters, their Adam moments and the step on the host (`offload.py`).
+
+`flat.py`'s layout is shared with `fsdp.py`, which shards the parameters themselves (ZeRO-3).
 """
 
 import torch
@@ -81,7 +85,8 @@ class FlatBucket:
         self.grad_shard = None  # ZeRO-2: the summed gradient of this rank's shard, from its reduce-scatter to zero_grad
         self.pending = len(params)  # gradients still to come in this backward
         self.waiting = []  # ZeRO-2: indices of params whose gradient came, not yet copied into `grad`
-        self.handle = self.reduced = None  # ZeRO-2: the asynchronous reduce-scatter, once launched; its output
+        self.handle = None  # ZeRO-2: the asynchronous reduce-scatter, once launched
+        self.reduced = None  # its output
 
     def own_gradient(self) -> torch.Tensor:
         """The summed gradient of this rank's shard, in the gradient's dtype."""
@@ -136,14 +141,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
 
-    The parameters are packed into flat buckets (their storage becomes the buckets'); rank r
-    keeps fp32 masters and optimizer states for shard r only. `step` gives each master the
-    gradient of its shard (the parameters' gradients must already be averaged over the ranks, as
-    after DDP; `ZeroDP` reduce-scatters them itself), steps `optimizer_class` on the masters, and
-    all-gathers the updated shards into every rank's parameters. `param_groups` and `state` are
-    the inner optimizer's, so learning-rate schedulers and checkpoints see the masters. It takes
-    one group of parameters (no per-group options), and steps the inner optimizer once per group
-    of buckets, relying on it to skip parameters without a gradient, as every `torch.optim` class does."""
+    The parameters are packed into flat buckets (their storage becomes the buckets'); rank r keeps
+    fp32 masters and optimizer states for shard r only. `step` gives each master the gradient of its
+    shard (the parameters' gradients must already be averaged over the ranks, as after DDP; `ZeroDP`
+    reduce-scatters them itself), steps `optimizer_class` on the masters, and all-gathers the
+    updated shards into every rank's parameters. `param_groups` and `state` are the inner
+    optimizer's, so learning-rate schedulers and checkpoints see the masters. It takes one group of
+    parameters (no per-group options), and steps the inner optimizer once per group of buckets,
+    relying on it to skip parameters without a gradient, as every `torch.optim` class does."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, bucket_cap_mb: float = 25.0,
                  **defaults):
@@ -234,11 +239,12 @@ class ZeroDP(DataParallelWrapper):
             self._finish_reduction()
 
     def _fill(self) -> None:
-        """ZeRO-2: copy the gradients that came into the open bucket, send it once full, open the next.
-        Backward does not produce gradients exactly in the buckets' order (a Llama layer's
-        `input_layernorm` comes after its attention weights, which may sit in the next bucket), so
-        a gradient of a later bucket waits in its `param.grad` until that bucket opens. Alive at
-        most: the open bucket, the one on the wire, the few early gradients; no third bucket."""
+        """ZeRO-2: copy the gradients that came into the open bucket, send it once it is full, open
+        the next. Backward does not produce gradients exactly in the buckets' order (a Llama
+        layer's `input_layernorm` comes after its attention weights, which may sit in the next
+        bucket), so one bucket is open at a time: a gradient of a later bucket waits in its
+        `param.grad` until that bucket opens. Alive at most: the open bucket, the one on the wire,
+        and the few gradients that came early, not a third bucket-sized buffer."""
         while self._open < len(self.buckets) and self.buckets[self._open].waiting:
             bucket = self.buckets[self._open]
             if bucket.grad is None:  # the flat gradient, in the dtype of the reduction; padding stays 0
@@ -301,6 +307,10 @@ class ZeroDP(DataParallelWrapper):
         full = gather_parameters(self.flats(), keep, self.group)
         if not keep:
             return {}
-        frozen = lambda p: p.detach().to("cpu", torch.float32, copy=True)  # noqa: E731 (not in any bucket)
-        return {name: full[name] if name in full else frozen(p)
+        return {name: full[name] if name in full else _frozen_on_cpu(p)
                 for name, p in self.module.named_parameters(remove_duplicate=False)}
+
+
+def _frozen_on_cpu(param: nn.Parameter) -> torch.Tensor:
+    """A frozen parameter (in no bucket: every rank holds it whole) as an fp32 copy on the CPU."""
+    return param.detach().to("cpu", torch.float32, copy=True)
