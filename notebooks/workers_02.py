@@ -98,7 +98,8 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
         model = models.load_model(model_dir)
         ready = {}  # parameter -> when autograd finished its gradient (hooks registered before DDP's run first)
         for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _, name=name, ready=ready: ready.__setitem__(name, time.perf_counter()))
+            p.register_post_accumulate_grad_hook(
+                lambda _, name=name, ready=ready: ready.__setitem__(name, time.perf_counter()))
         model = strategy.wrap(model)
         variants[variant] = (strategy, model, strategy.build_optimizer(model, lr=1e-3), ready)
     out = {v: {"steps": []} for v in variants}
@@ -121,36 +122,49 @@ def backward_timeline(model_dir: str, data_path: str, bucket_cap_mb: float, batc
             optimizer.zero_grad(set_to_none=True)
             if step < warmup:
                 continue
-            rel = lambda t: t - t0  # noqa: E731
-            last = rel(max(ready.values()))  # after this, backward only waits for the network
-            out[variant]["steps"].append({"backward": t2 - t1, "waited": rel(t2) - last,
-                                          "launched_before_last": sum(rel(c["start"]) < last for c in calls),
+
+            def since_start(when):  # seconds from this step's forward start
+                return when - t0
+
+            last = since_start(max(ready.values()))  # after this, backward only waits for the network
+            out[variant]["steps"].append({"backward": t2 - t1, "waited": since_start(t2) - last,
+                                          "launched_before_last": sum(since_start(c["start"]) < last for c in calls),
                                           "all_reduces": len(calls)})
             out[variant].update({
-                "forward": (0.0, rel(t1)),
-                "backward": (rel(t1), rel(t2)),
+                "forward": (0.0, since_start(t1)),
+                "backward": (since_start(t1), since_start(t2)),
                 "last_gradient": last,
-                "all_reduces": [(rel(c["start"]), rel(c["finish"]), c["bytes"]) for c in calls],
-                "timeline": [(e, b, rel(t)) for e, b, t in bucket_launches(calls, buffers)] if buffers else [],
+                "all_reduces": [(since_start(c["start"]), since_start(c["finish"]), c["bytes"]) for c in calls],
+                "timeline": [(event, bucket, since_start(when))
+                             for event, bucket, when in bucket_launches(calls, buffers)] if buffers else [],
                 "buckets": [sum(p.numel() * p.element_size() for p in b.params) for b in getattr(model, "buckets", [])],
                 "num_params": len(model.params),
             })
     if trace_dir is not None:
         for variant, (strategy, model, optimizer, _) in variants.items():
-            def step():
-                with record_function("forward"):
-                    loss = token_loss_sum(model, micro, strategy) * env.world_size / num_targets
-                with record_function("backward"):
-                    loss.backward()
-                with record_function("optimizer step"):
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            dist.barrier()
-            if env.rank == 0:
-                out[variant]["trace"] = str(timeline.record(step, env.device, f"{trace_dir}/02_{variant}_ddp.json"))
-            else:
-                step()  # the same step, unrecorded: rank 0's all-reduces need a partner
+            path = f"{trace_dir}/02_{variant}_ddp.json"
+            trace = _profile_step(env, strategy, model, optimizer, micro, num_targets, path)
+            if trace:
+                out[variant]["trace"] = trace
     return out
+
+
+def _profile_step(env, strategy, model, optimizer, micro, num_targets, path: str) -> str | None:
+    """One more training step, recorded under `torch.profiler` on rank 0 (its Chrome trace written
+    to `path`, which is returned); the other ranks run it unrecorded."""
+    def step():
+        with record_function("forward"):
+            loss = token_loss_sum(model, micro, strategy) * env.world_size / num_targets
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer step"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    if env.rank == 0:
+        return str(timeline.record(step, env.device, path))
+    step()  # the same step, unrecorded: rank 0's all-reduces need a partner
+    return None
 
 
 def train(model_dir: str, data_path: str, steps: int, seq_len: int, total_batch: int, variant: str = "bucketed",
