@@ -39,7 +39,8 @@ PIECE_VALUE = {chess.PAWN: 1, chess.KNIGHT: 3, chess.BISHOP: 3, chess.ROOK: 5, c
 def _capture_gain(board, move):
     """Material won by a capture, minus the capturing piece if the square is defended."""
     gain = PIECE_VALUE.get(board.piece_type_at(move.to_square), 1)  # en passant: a pawn
-    if board.is_attacked_by(not board.turn, move.to_square):  # (never a king: taking a defended piece is illegal)
+    if board.is_attacked_by(not board.turn, move.to_square):
+        # (A king is never this capturer: taking a defended piece with it is illegal.)
         gain -= PIECE_VALUE.get(board.piece_type_at(move.from_square), 0)
     return gain
 
@@ -87,7 +88,7 @@ def generate_games(num_games, seed=0, max_plies=200, capture_prob=0.9):
 
 # ---------------------------------------------------------------- jsonl files
 def bundled_games(split):
-    """Path of the sample shipped in minidist/games: "train" (3000 games) or "test" (300 unseen)."""
+    """Path of the sample shipped in minidist/chess/data: "train" (3000 games) or "test" (300 unseen)."""
     if split not in ("train", "test"):
         raise ValueError(f"Unknown split {split!r}: use 'train' or 'test'.")
     return GAMES_DIR / f"{split}.jsonl"
@@ -149,8 +150,10 @@ def hub_shards(dataset=HUB_DATASET, num_shards=1):
 def download_dataset(out_dir, num_shards=1, max_games=None, test_games=1000, dataset=HUB_DATASET):
     """Stream the games of the first `num_shards` shards of `dataset`; write out_dir/{train,test}.jsonl.
 
-    Run it where there is internet (a login node); compute nodes then read only the jsonl. The first
-    `test_games` games are the test split; up to `max_games` follow as train, read as they are needed."""
+    Run it where there is internet (a login node): the shards are streamed, not kept, and the
+    compute nodes then read only the jsonl. The first `test_games` games are held out as the test
+    split; up to `max_games` follow as train, so a small `max_games` reads only what it needs.
+    """
     games = _iter_parquet_games(hub_shards(dataset, num_shards))  # one stream: train starts where test stops
     out_dir = pathlib.Path(out_dir)
     test = write_games(games, out_dir / "test.jsonl", test_games)
@@ -197,8 +200,10 @@ def main(argv=None):
             # Extra games so that test keeps K distinct games after dropping any that occur in
             # train: short games, like a quick mate, can repeat, and a held-out game must be unseen.
             games = generate_games(args.num_games + 2 * args.test_games, args.seed, args.max_plies)
-            train, seen = games[:args.num_games], set(games[:args.num_games])
-            test = [t for t in dict.fromkeys(games[args.num_games:]) if t not in seen][:args.test_games]
+            train = games[:args.num_games]
+            seen = set(train)
+            test = [game for game in dict.fromkeys(games[args.num_games:]) if game not in seen]
+            test = test[:args.test_games]
             if len(test) < args.test_games:
                 raise ValueError("Too few distinct held-out games: ask for fewer --test_games.")
             write_games(train, args.out)
@@ -207,7 +212,8 @@ def main(argv=None):
             print(f"wrote {len(train)} games to {args.out}"
                   + (f" and {len(test)} to {args.test_out}" if args.test_games else ""))
         elif args.command == "convert":
-            print(f"wrote {convert_parquet(args.shards, args.out, args.max_games)} games to {args.out}")
+            count = convert_parquet(args.shards, args.out, args.max_games)
+            print(f"wrote {count} games to {args.out}")
         else:
             counts = download_dataset(args.out, args.num_shards, args.max_games, args.test_games, args.dataset)
             print(f"wrote {counts['train']} train and {counts['test']} test games to {args.out}")

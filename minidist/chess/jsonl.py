@@ -1,13 +1,14 @@
 """The games file: jsonl, one game a line, `{"text": "e2e4 e7e5 ... 1-0"}`, and how it is read.
 
-Every way of getting games (`data.py`: generated, converted from the hub's parquet shards,
+Every way of getting games (`games.py`: generated, converted from the hub's parquet shards,
 downloaded) ends in this one format, the one the hub dataset's text form uses and the one the
 training script, the evaluation and the notebooks read.
 
 Reading checks every line, because a games file is something a learner writes by hand or by a
 script of their own: an empty file, a line that is not JSON, or an object without `text` would
 otherwise surface much later as an `IndexError` deep inside the tokenizer. The error names the
-file and the line, in one sentence (`ValueError`; the commands print it as one line, `errors.py`).
+file and the line, in one sentence (`ValueError`; the commands print it as one line,
+`runtime/errors.py`).
 """
 
 import itertools
@@ -44,8 +45,9 @@ def load_games(path):
     """The games of a jsonl file, as texts; blank lines are skipped, anything else must be a game."""
     path = pathlib.Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"No games file at {path}: use the bundled sample (minidist.chess.games.bundled_games("
-                                f"'train')), or create it with `python -m minidist.chess.games generate|convert|download`.")
+        raise FileNotFoundError(f"No games file at {path}: use the bundled sample "
+                                "(minidist.chess.games.bundled_games('train')), or create it with "
+                                "`python -m minidist.chess.games generate|convert|download`.")
     if path.is_dir():
         raise ValueError(f"{path} is a folder, not a games file: name the .jsonl file itself.")
     if path.suffix != ".jsonl":
