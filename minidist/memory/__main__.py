@@ -15,7 +15,7 @@ from minidist.parallel.options import ParallelOptions
 
 def checked_source(name: str) -> str:
     """Where the config of `name` comes from, checked: `tiny` (finetune's offline Llama) becomes
-    its folder, a hub name neither cached nor reachable fails at once (`hub.py`), and the config
+    its folder, a hub name neither cached nor reachable fails at once (`hf/hub.py`), and the config
     must describe a model that can exist (`hidden_size: 0` cannot: `model_folder.check_config`)."""
     from huggingface_hub.errors import StrictDataclassError  # transformers' own check of a config
 
