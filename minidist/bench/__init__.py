@@ -1,4 +1,5 @@
-"""Benchmarks: the hand-written strategies against PyTorch's own as ratios; a collective's bandwidth; the GPU check.
+"""Benchmarks: the hand-written strategies against PyTorch's own, as ratios; a collective's
+bandwidth; the GPU check.
 
     python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP; 2 CPU ranks
     python -m minidist.bench fsdp       # FSDP, ZeRO-2 (minidist) and torch FSDP2; 2 CPU ranks

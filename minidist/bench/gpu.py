@@ -64,7 +64,7 @@ PHASES = (f"forward + backward ({ACCUMULATION} micro-batches)", "clip_grad_norm_
 
 
 def build(impl: str, strategy_name: str, checkpointing: bool, source: str, env):
-    """(strategy, model, optimizer) as `finetune.train` builds them. A folder without weights
+    """(strategy, model, optimizer) as `finetune.py` builds them. A folder without weights
     (CodeLlama-7b's config) is built from its config with random weights, on the device."""
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
@@ -117,7 +117,7 @@ def run_setup(impl, strategy_name, checkpointing, source, sizes, env, shape, pro
         num_targets = ACCUMULATION * batch * (seq - 1)
 
         def step():
-            with record_function(PHASES[0]):  # the loop's own step (finetune.py), world size 1
+            with record_function(PHASES[0]):  # the loop's own step (step.py), world size 1
                 train_step(model, strategy, batches, num_targets, world_size=1)
             with record_function(PHASES[1]):
                 strategy.clip_grad_norm_(model, 1.0)

@@ -63,11 +63,11 @@ def record(step, device: torch.device, trace: Path) -> Path:
 
 
 def mark_units(fsdp) -> None:
-    """Name FSDP's work in the trace, without changing it: each layer unit's forward becomes a
-    range `unit i forward` (a forward pre-hook put before FSDP's own, so the range covers all of
-    the unit's turn: the wait for its weights, the prefetch FSDP issues, the compute), and each real gather a range
-    `gather unit i` around the asynchronous all-gather call. `gather` is looked up on the unit
-    instance by FSDP's hooks, so replacing it there sees every call."""
+    """Name FSDP's work in the trace, without changing it: each layer unit's forward becomes a range
+    `unit i forward` (a forward pre-hook put before FSDP's own, so the range covers all of the
+    unit's turn: the wait for its weights, the prefetch FSDP issues, the compute), and each real
+    gather a range `gather unit i` around the asynchronous all-gather call. `gather` is looked up on
+    the unit instance by FSDP's hooks, so replacing it there sees every call."""
     from torch.autograd.profiler import record_function
 
     for i, unit in enumerate(fsdp.units):

@@ -70,6 +70,7 @@ def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | 
 
 
 def reason(err: Exception) -> str:
-    """The last line of transformers' config check ("ValueError: The hidden size (30) is not a multiple ...")."""
+    """The last line of transformers' config check ("ValueError: The hidden size (30) is not a
+    multiple ...")."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__

@@ -69,7 +69,8 @@ from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
 CONFIGS = Path(__file__).parent.parent / "hf" / "configs"
-# Configs shipped with minidist, so the estimates in the lessons work offline (lesson 00's t5-base question).
+# Configs shipped with minidist, so the estimates in the lessons work offline (lesson 00's t5-base
+# question).
 BUNDLED = {"codellama/CodeLlama-7b-hf": CONFIGS / "codellama-7b", "google-t5/t5-base": CONFIGS / "t5-base"}
 
 
@@ -205,7 +206,8 @@ def shard_numel(shape: Shape, setup: Setup) -> int:
 
 
 def model_states(shape: Shape, setup: Setup) -> dict:
-    """Parameters, gradients and optimizer states held by one rank (the first, whose shards are fullest)."""
+    """Parameters, gradients and optimizer states held by one rank (the first, whose shards are
+    fullest)."""
     setup = hybrid.as_fsdp(setup)  # HSDP holds what FSDP on one shard group holds
     if setup.lora_rank:
         return lora_terms.model_states(shape, setup)

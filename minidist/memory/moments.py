@@ -320,7 +320,8 @@ class _FsdpWalk(_Timeline):
         return self.worst
 
     def finish_pending(self) -> None:
-        """The reduce-scatter on the wire is waited for: its input goes, its output is the shard's gradient."""
+        """The reduce-scatter on the wire is waited for: its input goes, its output is the shard's
+        gradient."""
         for size, sent, out in self.pending:  # (gloo's copy, FSDP2's only, went in `reduce`)
             self.add("reduce-scatters", -sent - out)
             self.add(self.full, 0 if sent else -self.kept_grad * size)  # no copy was sent: the full gradient was

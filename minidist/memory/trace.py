@@ -16,12 +16,12 @@ So here we ask the model itself:
    base's storage, so it counts once), skip parameters and views of them (model states), and note
    which layer was running when each storage was saved. An encoder-decoder (T5, BART) runs
    whole, its encoder's and decoder's blocks are its layers, and its loss is `seq2seq_loss_sum`.
-3. A storage saved by one layer only is that layer's. One saved by several (the rotary cos and
-   sin, the attention mask, the encoder's output that every decoder block's cross-attention
-   reads) is *shared*. (T5's relative position bias is only added to the scores, never saved:
-   its first block keeps the T x T int64 bucket indices of the bias table's lookup.) What no layer saved (embeddings,
-   final norm, the output layer's input, the loss's fp32 log-probabilities) is *outside*.
-   Under autocast the bf16 copies of the weights are saved too; they are counted apart
+3. A storage saved by one layer only is that layer's. One saved by several (the rotary cos and sin,
+   the attention mask, the encoder's output that every decoder block's cross-attention reads) is
+   *shared*. (T5's relative position bias is only added to the scores, never saved: its first block
+   keeps the T x T int64 bucket indices of the bias table's lookup.) What no layer saved
+   (embeddings, final norm, the output layer's input, the loss's fp32 log-probabilities) is
+   *outside*. Under autocast the bf16 copies of the weights are saved too; they are counted apart
    (`weight_copies`), as the estimator does.
 4. Layers are grouped into *types*: the decoder layer's class, its submodules' classes (a sparse
    MoE block is not a dense MLP) and its config-driven variant (Gemma2's `sliding_attention` and
@@ -30,11 +30,11 @@ So here we ask the model itself:
    `types` says what differs.
 
 What the real run does that a trace cannot know, we pin:
-- transformers treats fake tensors as "tracing" and then keeps the attention mask it could drop;
-  for an unpadded batch we pass no mask and let its checks see no padding, no cache offset and no
-  packed sequences, as the real run sees them, so it builds a mask only where one is needed (a sliding window shorter
-  than the batch); an encoder-decoder's decoder gets no mask (the labels' padding is -100), so
-  its causal mask is dropped too, padded or not;
+- transformers treats fake tensors as "tracing" and then keeps the attention mask it could drop; for
+  an unpadded batch we pass no mask and let its checks see no padding, no cache offset and no packed
+  sequences, as the real run sees them, so it builds a mask only where one is needed (a sliding
+  window shorter than the batch); an encoder-decoder's decoder gets no mask (the labels' padding is
+  -100), so its causal mask is dropped too, padded or not;
 - MoE routing depends on the data: transformers' grouped-matmul experts save tensors whose sizes
   depend only on tokens x top-k, not on which expert gets which token, so the trace is exact for
   them. (PyTorch's meta rule for `_grouped_mm` accepts bf16 only; in fp32 we take transformers'

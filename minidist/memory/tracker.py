@@ -1,17 +1,17 @@
 """PyTorch's own memory tracker on one training step of the whole model, with fake tensors.
 
-`estimator.py` derives one rank's peak from formulas. PyTorch ships a tool that measures it
-instead: `MemTracker` (`torch.distributed._tools.mem_tracker`), a `TorchDispatchMode` that sees
-every operator, counts each new tensor storage once, subtracts it when the storage is freed,
-and keeps the largest total and its split at that moment, per device. Run under
-`FakeTensorMode`, the operators compute shapes and dtypes but no values and allocate nothing,
-so one step of CodeLlama-7b is traced on a laptop CPU, with no GPU and no weights: the model is
-built from its config alone (`AutoModelForCausalLM.from_config` inside the fake mode).
+`estimator.py` adds one rank's peak up, term by term and moment by moment. PyTorch ships a tool
+that measures it instead: `MemTracker` (`torch.distributed._tools.mem_tracker`), a
+`TorchDispatchMode` that sees every operator, counts each new tensor storage once, subtracts it
+when the storage is freed, and keeps the largest total and its split at that moment, per device.
+Run under `FakeTensorMode`, the operators compute shapes and dtypes but no values and allocate
+nothing, so one step of CodeLlama-7b is traced on a laptop CPU, with no GPU and no weights: the
+model is built from its config alone (`AutoModelForCausalLM.from_config` inside the fake mode).
 
-The step is the training loop's own (`finetune.py`): forward, `token_loss_sum`, backward,
-`strategy.build_optimizer`'s AdamW step, at the setup's batch, length and precision. Before it,
-the optimizer takes one step on zero gradients, so its states exist as in every step after the
-first (the estimate is of such a step). That step also matters for fake tensors: traced cold, AdamW's
+The step is the training loop's own (`step.py`): forward, `token_loss_sum`, backward,
+`strategy.build_optimizer`'s AdamW step, at the setup's batch, length and precision. Before it, the
+optimizer takes one step on zero gradients, so its states exist as in every step after the first
+(the estimate is of such a step). That step also matters for fake tensors: traced cold, AdamW's
 first step over FSDP2's DTensor shards counts 5 times the optimizer states that real tensors give
 (62.3 against 12.5 MB on a 4-layer tiny Llama over 4 fake ranks, one run each; not looked into
 further), while after it fake and real tensors agree to the byte. Per strategy:
@@ -98,8 +98,8 @@ def _cached(source: str, setup: Setup) -> tuple:
 
 def trace(source: str, setup: Setup, fake: bool = True) -> dict:
     """Run one step of the model `source` names under FakeTensorMode and MemTracker; return its peak
-    and the split at that moment, in bytes, with PyTorch's category names. `fake=False` runs it
-    with real tensors (random weights): the same figures, at the cost of the memory (a test's check)."""
+    and the split at that moment, in bytes, with PyTorch's category names. `fake=False` runs it with
+    real tensors (random weights): the same figures, at the cost of the memory (a test's check)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 

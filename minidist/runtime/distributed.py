@@ -39,8 +39,8 @@ destructor and the process dies of SIGABRT ("terminate called without an active 
 after the run has finished and logged. `cleanup` therefore destroys the group *for real* while
 the interpreter is alive: destroying it joins the worker threads, which first finish letting go.
 Two things in PyTorch kept the group alive past `destroy_process_group`, so that its threads ran
-on into shutdown (found with a core dump of an abort; `python tests/checkpoint/exit_loop.py` counts aborts
-over many short runs):
+on into shutdown (found with a core dump of an abort; `python tests/checkpoint/exit_loop.py`
+counts aborts over many short runs):
 
 - `torch.distributed.nn` captures the world group in default arguments (`group=group.WORLD`)
   when it is first imported. transformers imports it (through `torch.distributed._shard`) when
@@ -53,8 +53,8 @@ over many short runs):
 And a wrapped model left in a reference cycle holds the group until the cycle collector runs, so
 `cleanup` runs it first. A cycle through a tensor hook the collector cannot break at all (PyTorch
 keeps the hook in C++), so the hand-written wrappers hook their parameters only weakly
-(`parallel/wrapper.py`, `weak_hook`). `tests/loop/test_finetune.py` checks that no gloo thread is left
-after every strategy has trained.
+(`parallel/wrapper.py`, `weak_hook`). `tests/loop/test_finetune.py` checks that no gloo thread is
+left after every strategy has trained.
 
 (The same abort is analysed in PyTorch pull request 179291, "Register atexit handler to destroy
 process groups before interpreter finalization", 2026, abandoned upstream as more complicated than
@@ -257,8 +257,8 @@ def get_env() -> DistEnv:
 
 
 def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
-    """A ``DeviceMesh`` of all ranks for FSDP2 and DCP, 1-D by default (HSDP's is 2-D: `parallel/mesh.py`);
-    made once per device type and shape, released by ``cleanup``."""
+    """A ``DeviceMesh`` of all ranks for FSDP2 and DCP, 1-D by default (HSDP's is 2-D:
+    `parallel/mesh.py`); made once per device type and shape, released by ``cleanup``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type, shape = get_env().device.type, shape or (dist.get_world_size(),)

@@ -71,7 +71,8 @@ class StepRecorder:
                   # the whole step's peak on the rank that used most (None: a CPU step not traced)
                   "peak_memory_bytes": None if None in memory["peak"] else max(memory["peak"]),
                   "memory_bytes": memory,  # per rank, lists by rank
-                  # sent by this rank in the step, in all and within/across nodes (comm.py); None for --impl torch
+                  # sent by this rank in the step, in all and within/across nodes (parallel/comm.py,
+                  # parallel/across_nodes.py); None for --impl torch
                   **comm_bytes}
         peak = peak_flops(self.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
