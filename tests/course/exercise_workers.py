@@ -282,10 +282,14 @@ def check_ring(load_solution) -> list[str]:
 def _ring_problems(name, x, mine, returned, expected, magnitude, n, rank) -> list[str]:
     if x.dtype.is_floating_point:  # the ring adds in its own order: the last bits may differ (lesson 01)
         bound = 2 * (n - 1) * torch.finfo(x.dtype).eps * magnitude + 1e-30
-        right = lambda got, exp, b: bool(((got.double() - exp.double()).abs() <= b).all())  # noqa: E731
+
+        def right(got, exp, b):
+            return bool(((got.double() - exp.double()).abs() <= b).all())
     else:
         bound = magnitude
-        right = lambda got, exp, b: bool(torch.equal(got, exp))  # noqa: E731
+
+        def right(got, exp, b):
+            return bool(torch.equal(got, exp))
     if right(mine, expected, bound):
         if returned is not None and returned is not mine:
             return [f"{name}: returned a new tensor; return `tensor` itself (the one that holds the sum)"]
@@ -675,7 +679,10 @@ def check_fsdp_gather_free(load_solution) -> list[str]:
         model = fsdp.FullyShardedDataParallel(ToyNet(), unit_classes=("Block",))
     names = {id(m): name for name, m in model.module.named_modules()}
     label = {id(u): "the root" if u is model.root else f"unit {names[id(u.module)]!r}" for u in model.units}
-    live = lambda u: u._data.untyped_storage().nbytes()  # noqa: E731 (the gathered bytes a unit holds)
+
+    def live(u):  # the gathered bytes a unit holds
+        return u._data.untyped_storage().nbytes()
+
     peak = []  # units holding gathered memory, seen as each block starts its forward
     for unit in model.layer_units:
         unit.module.register_forward_pre_hook(lambda *_: peak.append(sum(live(u) > 0 for u in model.units)))

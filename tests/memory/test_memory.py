@@ -106,8 +106,10 @@ def test_the_loop_measures_what_the_estimate_says(weighty_model, architectures, 
     steps = 3 if world_size == 1 else 6  # one rank has no gloo threads to race with
     common = ["--data", long_games, "--max_steps", str(steps), "--max_seq_length", str(SEQ),
               "--batch_size_per_device", str(BATCH), "--eval_prefixes", "0", "--no_save", "--trace_memory_every", "1"]
-    # A case names its model first ("--model", kind) or trains the weighty Llama.
-    model = lambda extra: architectures[extra[1]] if extra[:1] == ["--model"] else weighty_model  # noqa: E731
+
+    def model(extra):  # a case names its model first ("--model", kind) or trains the weighty Llama
+        return architectures[extra[1]] if extra[:1] == ["--model"] else weighty_model
+
     runs = [common + ["--model", model(extra), "--impl", impl, "--strategy", name, "--output_dir", str(tmp_path / f"{i}-{impl}-{name}")]
             + (extra[2:] if extra[:1] == ["--model"] else extra) for i, (impl, name, extra) in enumerate(cases)]
     launch(train_each, world_size, runs, timeout_s=600)
@@ -175,12 +177,8 @@ def measure_saved(folder, batch, seq, checkpointing, precision, padded):
 
 
 ACTIVATION_CASES = [  # (model, batch, sequence length, checkpointing, precision, padded)
-    ("wide", 1, 64, False, "fp32", False),
-    ("wide", 4, 32, False, "fp32", False),
-    ("wide", 2, 128, False, "fp32", True),
-    ("wide", 1, 64, True, "fp32", False),
-    ("wide", 4, 32, True, "fp32", False),
-    ("wide", 2, 128, True, "fp32", True),
+    *(("wide", batch, seq, checkpointing, "fp32", padded)  # each fp32 shape without, then with checkpointing
+      for checkpointing in (False, True) for batch, seq, padded in ((1, 64, False), (4, 32, False), (2, 128, True))),
     ("wide", 2, 64, False, "autocast", True),
     ("wide", 2, 64, True, "autocast", False),
     ("wide", 2, 64, False, "bf16", True),

@@ -347,15 +347,18 @@ def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model,
             for i, (impl, name, extra) in enumerate(PEAKS)]
     launch(train_each, 2, runs, timeout_s=600)
     shape = estimator.model_shape(weighty_model)
+
+    def flag(extra, f, default):  # the value given to flag f in the case's extra arguments
+        return extra[extra.index(f) + 1] if f in extra else default
+
     for i, (impl, name, extra) in enumerate(PEAKS):
         records = [json.loads(line) for line in (tmp_path / f"{i}" / "metrics.jsonl").read_text().splitlines()]
-        flag = lambda f, default: extra[extra.index(f) + 1] if f in extra else default  # noqa: E731
         setup = estimator.setup(strategy=name, impl=impl, world_size=2, batch_size_per_device=2, max_seq_length=32,
-                                padded=False, backend="gloo", mixed_precision=flag("--mixed_precision", "fp32"),
+                                padded=False, backend="gloo", mixed_precision=flag(extra, "--mixed_precision", "fp32"),
                                 gradient_checkpointing="--gradient_checkpointing" in extra, lora_rank=8,
-                                gradient_accumulation_steps=int(flag("--gradient_accumulation_steps", 1)),
-                                lora_target_modules=flag("--lora_target_modules", None),
-                                lora_dropout=float(flag("--lora_dropout", 0)))
+                                gradient_accumulation_steps=int(flag(extra, "--gradient_accumulation_steps", 1)),
+                                lora_target_modules=flag(extra, "--lora_target_modules", None),
+                                lora_dropout=float(flag(extra, "--lora_dropout", 0)))
         want = estimator.estimate(shape, setup)["peak"]
         for got in [min(step) for step in zip(*(r["memory_bytes"]["peak"] for r in records[1:]))]:  # per rank
             assert abs(got - want) <= 0.05 * want, f"{impl}/{name} {extra}: measured {got}, estimated {want}"
