@@ -6,7 +6,8 @@ from minidist.chess import legal_moves
 
 
 @pytest.mark.parametrize("successes, trials, low, high", [
-    # Newcombe 1998, "Two-sided confidence intervals for the single proportion", Table I, method 3 (Wilson score)
+    # Newcombe 1998, "Two-sided confidence intervals for the single proportion", Table I,
+    # method 3 (Wilson score)
     (81, 263, 0.2553, 0.3662),
     (15, 148, 0.0624, 0.1605),
     (0, 20, 0.0, 0.1611),
