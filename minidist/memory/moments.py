@@ -215,7 +215,7 @@ class _FsdpWalk(_Timeline):
         self.pending = []  # the unit whose reduce-scatter is on the wire: (its size, its fp32 input, its output)
         # Bytes per element of gloo's copy of a reduce-scatter's input, while it runs. minidist's input is
         # scratch, all-reduced in place on gloo (`comm.reduce_scatter`): no copy.
-        self.copy = 4 * gloo if self.torch_impl else 0
+        self.gloo_copy = 4 * gloo if self.torch_impl else 0
 
     def sent_copy(self, unit) -> int:
         """Bytes of the bf16 copy of the fp32 shard that a gather sends: every flat's under FSDP2,
@@ -349,7 +349,7 @@ class _FsdpWalk(_Timeline):
         self.add(self.full, -(self.kept_grad if self.accum else self.compute_bytes) * trained if into else 0)
         self.add("reduce-scatters", 4 * _shard(trained, self.ranks))  # the output shard
         if self.torch_impl:  # FSDP2's collective runs within its post-backward hook
-            self.add("reduce-scatters", self.copy * trained)
-            self.add("reduce-scatters", -self.copy * trained)
+            self.add("reduce-scatters", self.gloo_copy * trained)
+            self.add("reduce-scatters", -self.gloo_copy * trained)
         self.finish_pending()
         self.pending.append((trained, into, 4 * _shard(trained, self.ranks)))
