@@ -1,9 +1,12 @@
-"""Shared fixtures: a tiny Llama written once per test session, loaded like any hub model. And the
+"""Shared fixtures: a tiny Llama written once per test session, loaded like any hub model; a weightier
+one and long games for the memory measurements (tests/memory, tests/parallel's LoRA). And the
 session's summary of each notebook's time and of the long modules. (The real SLURM cluster's
 fixture is `cluster/conftest.py`'s.)"""
 
 import pytest
 
+from minidist.chess import jsonl
+from minidist.chess.games import bundled_games
 from minidist.hf.models import write_tiny_llama
 
 
@@ -11,6 +14,24 @@ from minidist.hf.models import write_tiny_llama
 def tiny_model(tmp_path_factory):
     """A 2-layer, 64-wide Llama with the chess tokenizer: small enough for many short runs."""
     return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden_size=64, num_layers=2))
+
+
+@pytest.fixture(scope="module")
+def weighty_model(tmp_path_factory):
+    """The 4.15M-parameter tiny Llama (4 layers, 256 wide): as at 7B, a layer's activations weigh
+    about as much as the logits, and the embedding and output layer a small part of the weights.
+    (In the 64-wide conftest model the logits outweigh a layer's activations three times over.)"""
+    return str(write_tiny_llama(tmp_path_factory.mktemp("weighty") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def long_games(tmp_path_factory):
+    """64 held-out games of more than 40 moves: at 32 tokens a sequence (tests/memory) every
+    micro-batch is full, with no padding, so its bytes are the same from step to step."""
+    games = [g for g in jsonl.load_games(bundled_games("test")) if len(g.split()) > 40][:64]
+    path = tmp_path_factory.mktemp("games") / "long.jsonl"
+    jsonl.write_games(games, path)
+    return str(path)
 
 
 def notebook_times(stats: dict) -> list[str]:

@@ -1,5 +1,7 @@
-"""The training script run in the test's own process (no start-up of its own), for what it says when
-it stops: used by tests/loop, tests/checkpoint and tests/parallel."""
+"""The training script, or any command's main, run in the test's own process (no start-up of its own),
+for what it says when it stops: used by tests/loop, tests/checkpoint and tests/parallel."""
+
+import pytest
 
 from minidist import finetune
 
@@ -25,3 +27,16 @@ def run_here_in_one_line(argv, capsys) -> tuple[int, str]:
         assert lines[0].startswith("minidist.finetune: error: "), lines[0]
         return code, lines[0]
     return code, err
+
+
+def said(main, argv, capsys) -> str:
+    """Run a command's main here: it must exit with status 2 and one error line, the last one printed
+    (argparse's usage may come before it), and no traceback. Returns that line."""
+    capsys.readouterr()  # only what the command writes counts
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0] == err.strip().splitlines()[-1], err
+    return errors[0]

@@ -11,11 +11,8 @@ measured, and are compared with an uninterrupted run of the same strategy: bitwi
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +27,7 @@ from minidist.runtime.launch import launch
 from minidist.hf.models import load_model, load_tokenizer, write_tiny_llama
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
+from interrupted import interrupt_with_torchrun, wait_for_pauses  # noqa: F401 (wait_for_pauses: for the tests below)
 from train_workers import run_finetune, run_finetunes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,43 +51,6 @@ def finetune_args(model, out, impl="torch", strategy="fsdp", *extra):
 
 def metrics_steps(out: Path) -> list:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def wait_for_pauses(proc, log: Path, ranks: int, timeout_s=240) -> list[int]:
-    """The pids of the ranks that reached MINIDIST_PAUSE_AT, once all of them have."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\) paused at", log.read_text())]
-        if len(pids) == ranks:
-            return pids
-        assert proc.poll() is None, f"torchrun ended before the pause:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"no pause within {timeout_s} s:\n{log.read_text()[-3000:]}")
-
-
-def interrupt_with_torchrun(argv, log: Path, how: signal.Signals, pause_at: str) -> dict:
-    """Run `torchrun -m minidist.finetune ARGV` on 2 ranks, send `how` at `pause_at`; return its end."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MINIDIST_PAUSE_AT": pause_at}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "minidist.finetune", *argv]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    workers = []
-    try:
-        workers = wait_for_pauses(proc, log, ranks=2)
-        if how == signal.SIGKILL:  # everything dies at once, workers included, as in a crash
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
-        os.kill(proc.pid, how)  # SIGTERM: torchrun forwards it to its workers and waits for them
-        proc.wait(timeout=120)
-    finally:
-        for pid in [*workers, proc.pid]:  # nothing outlives the test, whatever failed
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-    return {"returncode": proc.returncode, "log": log.read_text()}
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from minidist.chess.games import bundled_games
 from minidist.hf import models
 from minidist.bench import __main__ as bench_command
 from minidist.memory import __main__ as memory_command
+from in_process import said
 
 ROOT = Path(__file__).resolve().parents[2]
 GAME = "e2e4 e7e5 g1f3 b8c6 1-0"
@@ -58,19 +59,6 @@ def bad(tiny_model, tmp_path_factory):
         (d / name / "config.json").write_text(json.dumps({**config, **change}))
     paths = {p.name.split(".")[0]: str(p) for p in d.iterdir()}  # by name without suffix
     return {**paths, "tiny": tiny_model, "dir": str(d)}
-
-
-def said(main, argv, capsys) -> str:
-    """Run a command's main here: it must exit with status 2 and one error line, the last one printed
-    (argparse's usage may come before it), and no traceback. Returns that line."""
-    capsys.readouterr()  # only what the command writes counts
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert stop.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
-    assert errors[0] == err.strip().splitlines()[-1], err
-    return errors[0]
 
 
 FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain this)

@@ -18,8 +18,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memory_workers import train_each
-from minidist.chess import jsonl
-from minidist.chess.games import bundled_games
 from minidist.memory import __main__ as memory_command
 from minidist.memory import estimator, measure, report, trace
 from minidist.step import token_loss_sum
@@ -33,14 +31,6 @@ SEQ, BATCH = 32, 2  # every game is longer than 32 tokens: full, unpadded micro-
 
 class CPU:
     device = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def long_games(tmp_path_factory):
-    games = [g for g in jsonl.load_games(bundled_games("test")) if len(g.split()) > SEQ + 8][:64]
-    path = tmp_path_factory.mktemp("games") / "long.jsonl"
-    jsonl.write_games(games, path)
-    return str(path)
 
 
 # Every strategy and implementation meets each of the 8 mixes of precision, checkpointing and
@@ -74,14 +64,6 @@ def peak_cases(world_size: int) -> list:
 
 def flag(extra: list, name: str, default):
     return extra[extra.index(name) + 1] if name in extra else default
-
-
-@pytest.fixture(scope="module")
-def weighty_model(tmp_path_factory):
-    """The 4.15M-parameter tiny Llama (4 layers, 256 wide): as at 7B, a layer's activations weigh
-    about as much as the logits, and the embedding and output layer a small part of the weights.
-    (In the 64-wide conftest model the logits outweigh a layer's activations three times over.)"""
-    return str(write_tiny_llama(tmp_path_factory.mktemp("weighty") / "llama"))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

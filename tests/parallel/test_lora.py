@@ -22,8 +22,7 @@ from minidist.runtime.launch import launch
 from in_process import run_here
 from lora_workers import run_lora_finetunes
 from reference import train_reference
-from memory.test_memory import long_games, weighty_model  # noqa: F401 (fixtures)
-from checkpoint.test_state import interrupt_with_torchrun
+from interrupted import interrupt_with_torchrun
 from train_workers import run_finetunes
 
 STEPS, SEQ, LR, SEED, RANK = 4, 48, 3e-3, 3, 4
@@ -374,7 +373,7 @@ def test_lora_activations_traced_are_what_a_real_peft_forward_saves(mode, padded
     the dropped input."""
     from minidist.step import token_loss_sum
     from minidist.memory import lora_terms, measure, trace
-    from memory.test_trace import BATCH, CONFIGS, SEQ, assert_equal
+    from tiny_configs import BATCH, CONFIGS, SEQ, assert_equal
 
     config = CONFIGS["llama"]()
     adapt = lora_terms.adapt(lora_key, mode)

@@ -168,7 +168,7 @@ def test_the_estimates_device_and_host_columns_are_the_measured_split(weighty, s
 def test_offload_with_ddp_is_refused_in_one_line(tiny_model, tmp_path, capsys, impl):
     """DDP has no optimizer shard to put on the host: one line, exit 2, naming what to use instead."""
     from minidist import finetune
-    from loop.test_bad_input import said
+    from in_process import said
 
     line = said(finetune.main, ["--model", tiny_model, "--output_dir", str(tmp_path), "--impl", impl, "--strategy", "ddp",
                                 "--cpu_offload"], capsys)
