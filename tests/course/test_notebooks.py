@@ -14,7 +14,6 @@ and a timed assertion would fail there with nothing wrong in the notebook. What 
 cell that hangs: nbclient's per-cell timeout, `HANG_GUARD_S`, far above any cell's normal time.
 """
 
-import os
 import time
 from pathlib import Path
 
@@ -49,7 +48,7 @@ def test_the_summary_reports_each_notebook_time_and_marks_the_ones_over_budget()
     the budget without failing anything; a session without notebooks prints nothing."""
     from types import SimpleNamespace
 
-    import conftest
+    from session_summary import notebook_times
 
     def report(name, seconds, outcome="passed"):
         return SimpleNamespace(nodeid=f"tests/course/test_notebooks.py::test_x[{name}]", outcome=outcome,
@@ -58,9 +57,9 @@ def test_the_summary_reports_each_notebook_time_and_marks_the_ones_over_budget()
     other = SimpleNamespace(nodeid="tests/chess/test_data.py::test_y", outcome="passed", user_properties=[])
     stats = {"passed": [report("00_memory", 31.42), report("05_fsdp", 123.0), other],
              "failed": [report("02_ddp", 12.0, "failed")]}
-    lines = conftest.notebook_times(stats)
+    lines = notebook_times(stats)
     assert lines == ["00_memory   31.4 s",
                      "02_ddp      12.0 s  (failed)",
                      "05_fsdp    123.0 s  over the 90 s budget (a benchmark: reported, not a failure)",
                      "3 notebooks, 166.4 s in all"]
-    assert conftest.notebook_times({"passed": [other]}) == []
+    assert notebook_times({"passed": [other]}) == []
