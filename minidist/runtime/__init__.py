@@ -1,0 +1,10 @@
+"""Running on many processes: what torchrun, SLURM or the notebooks start. A first reading may skip
+this folder.
+
+- `distributed.py`: the process group from the environment torchrun sets (NCCL on GPUs, gloo on
+  CPU ranks), the rank's device, and the clean-up.
+- `launch.py`: N ranks started from a notebook or a test, as torchrun would (simulated nodes too),
+  each rank's result or failure brought back.
+- `errors.py`: the one-line errors a learner meets, and exit status 2.
+- `metrics.py`: metrics.jsonl, one record per step, the step's line on the screen, and MFU.
+"""
