@@ -15,8 +15,10 @@ them. This module turns them into the two forms:
   Under HSDP the shard is placed (Replicate(), Shard(0)) on the 2-D (replicate, shard) mesh.
 
 Loading reverses it: the full form scatters the flats from rank 0; the sharded form lets DCP fill
-the DTensors and copies them into the shards. Then `refresh_weights()`: ZeRO's model all-gathers
-its weights from the loaded masters; FSDP's does nothing, as it gathers them before every use.
+the DTensors, which are views of the shards themselves, wherever they live (a `--cpu_offload` run's
+on the host), and copies them into the shards (a no-op for those views). Then `refresh_weights()`:
+ZeRO's model all-gathers its weights from the loaded masters; FSDP's does nothing, as it gathers
+them before every use.
 """
 
 import torch
@@ -35,12 +37,22 @@ def _keyed(model) -> list:
 
 def _dtensor(layout, shard: torch.Tensor, mesh):
     """This rank's shard as its piece of the whole (unpadded) flat, for DCP; under HSDP placed
-    (Replicate(), Shard(0)) on the 2-D mesh: DCP writes one copy and reads into every copy."""
+    (Replicate(), Shard(0)) on the 2-D mesh: DCP writes one copy and reads into every copy.
+
+    The piece stays where the shard is, a view of it: DCP saves from it and loads into it. Not
+    `DTensor.from_local`, which moves a tensor that is not on the mesh's device type there: under
+    NCCL that mesh is `cuda`, so every save and sharded load of a `--cpu_offload` run would copy
+    the host's masters and moments to the GPU (12P/N bytes, +20 GB per rank for CodeLlama-7b on
+    4 GPUs), the memory offload exists to free. The DTensor is built from its spec (the mesh, the
+    placements, the whole flat's shape) as FSDP2 builds its own around host shards under
+    `CPUOffloadPolicy` (`_fsdp_common._from_local_no_grad`)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     local = shard.detach()[:layout.valid(mesh.shard_rank)]
-    return DTensor.from_local(local, mesh.shard_device_mesh(), mesh.placements(), run_check=False,
-                              shape=torch.Size([layout.numel]), stride=(1,))
+    spec = DTensorSpec(mesh.shard_device_mesh(), tuple(mesh.placements()),
+                       tensor_meta=TensorMeta(torch.Size([layout.numel]), (1,), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _ensure_state(optimizer, flats) -> None:
