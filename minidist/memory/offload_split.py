@@ -73,8 +73,9 @@ def columns(s, setup, terms: dict) -> list[tuple[str, int, str]]:
 def pcie_bytes(s, setup) -> dict:
     """Bytes one rank moves over the host link per optimizer step: its shard's gradient out, the
     updated weights back (ZeRO: its shard in the weights' dtype, then all-gathered on the device;
-    FSDP by hand: its compute-dtype shard once; FSDP2: its fp32 shard at each of the 2 all-gathers
-    of a step, cast on the device)."""
+    FSDP by hand: its compute-dtype shard once; both cast on the host before they are sent,
+    `offload.to_device`; FSDP2: its fp32 shard at each of the 2 all-gathers of a step, cast on the
+    device)."""
     shard, bf16 = _shard(s, setup), setup.options.mixed_precision == "bf16"
     w = 2 if bf16 else 4
     if setup.strategy == "fsdp":

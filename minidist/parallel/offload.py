@@ -33,7 +33,11 @@ independent of the batch: worth it when a step computes long (large batches, acc
 when the step is already short. The copies are asynchronous: a gradient shard leaves as soon as
 its reduce-scatter finishes (`accumulate_grad`), into pinned (page-locked) host memory that the
 GPU's copy engine writes while backward goes on; the end of backward waits for them
-(`wait_for_copies`) before the CPU reads them.
+(`wait_for_copies`) before the CPU reads them. The updated weights go back the other way
+(`to_device`): cast to bf16 by the CPU into pinned memory, then sent without blocking, so bf16
+is what crosses PCIe (a non-blocking copy straight from the fp32 master would send fp32 and cast
+on the GPU). The CPU's AdamW runs on the rank's share of the node's cores
+(`runtime/distributed.use_cores_for_offload`), not on the one thread torchrun leaves it.
 
 **Where each tensor lives, on a CPU-only machine.** With no GPU both sides are the same memory,
 so a tensor's device cannot say which side it would be on. Every host tensor is placed by this
@@ -81,6 +85,26 @@ def to_host(t: torch.Tensor, dtype: torch.dtype | None = None, non_blocking: boo
     return out
 
 
+def to_device(out: torch.Tensor, master: torch.Tensor) -> None:
+    """`out` (on the device, in the compute dtype) <- `master` (fp32, on the host), without blocking.
+
+    The cast runs on the CPU, into a host buffer of `out`'s dtype (pinned where there is a GPU),
+    and that buffer crosses PCIe: 2 bytes per parameter in bf16. A plain `out.copy_(master,
+    non_blocking=True)` would not do this: PyTorch converts a non-blocking copy on the GPU, so it
+    sends the 4 fp32 bytes and casts them in an fp32 temporary on the device (and a blocking copy,
+    which casts on the CPU, stops the CPU until the copy is done).
+
+    The copy is queued on the current stream, so what reads `out` there (an all-gather) runs
+    after it, and it may still run when this returns. The CPU may write `master` at once: the
+    copy reads the buffer. And it never writes into a buffer the copy engine still reads: this one
+    is freed here, and PyTorch's pinned-memory allocator hands a freed buffer out again only once
+    the copies recorded on it have finished. A buffer even where the dtypes match (fp32), so that
+    the master itself is never in flight while the optimizer writes it."""
+    staged = host_empty(master.shape, out.dtype)
+    staged.copy_(master.detach())  # the cast, on the CPU
+    out.copy_(staged, non_blocking=True)  # asynchronous from pinned memory; on a CPU-only machine, a plain copy
+
+
 def wait_for_copies() -> None:
     """Wait for this stream's asynchronous copies (device -> host) before the CPU reads their results.
     Nothing to wait for (no copy started, or none on a GPU): it returns at once."""
@@ -119,7 +143,7 @@ class DeviceCopy:
     def get(self) -> torch.Tensor:
         now = (self.master._version, _optimizer_steps[0])
         if now != self.seen:
-            self.tensor.copy_(self.master.detach(), non_blocking=True)  # ordered before the all-gather that reads it
+            to_device(self.tensor, self.master)  # cast on the host, sent in bf16; before the all-gather that reads it
             self.seen = now
         return self.tensor
 
