@@ -4,6 +4,7 @@
 # does not fit, and the estimate above the error says why.
 #
 #   sbatch slurm/00_memory.sh                                    # PyTorch DDP on 1 GPU, 4 x 512 tokens
+#   IMPL=minidist sbatch slurm/00_memory.sh                      # the hand-written DDP (lesson 02) instead
 #   STRATEGY=fsdp sbatch slurm/00_memory.sh                      # FSDP on 1 GPU: nothing to shard with
 #   sbatch slurm/00_memory.sh --gradient_checkpointing           # smaller activations, same model states
 #   sbatch --gpus-per-node=4 slurm/00_memory.sh                  # 4 GPUs: DDP still replicates everything
@@ -29,9 +30,11 @@
 #
 # The launch itself (srun, torchrun, rendezvous, batch sizes, requeue on preemption) is
 # slurm/chess_finetune.sh's, run in this same batch shell (exec); this script only asks for one
-# GPU, prints the estimate and picks the lesson's strategy. Environment variables: as
-# chess_finetune.sh (MODEL, DATA, OUTPUT_DIR, TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, ...), plus
-# STRATEGY (ddp or fsdp). Arguments after the script name go to minidist.finetune and win.
+# GPU, prints the estimate and picks the lesson's strategy. Unlike chess_finetune.sh it runs
+# PyTorch's own DDP and FSDP2 by default (IMPL=torch), whose memory lesson 00 counts. Environment
+# variables: as chess_finetune.sh (MODEL, DATA, OUTPUT_DIR, TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE,
+# SITE_SETUP, SCRATCH, HF_HOME, ...), plus STRATEGY (ddp or fsdp) and IMPL (torch or minidist).
+# Arguments after the script name go to minidist.finetune and win.
 #
 #SBATCH --job-name=00-memory
 #SBATCH --nodes=1
@@ -52,10 +55,14 @@ here=${BASH_SOURCE[0]}
 [[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
 [[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+source "$(dirname "$launcher")/site_setup.sh"  # the site's set-up (module load, conda activate), before any Python
+source "$(dirname "$launcher")/allocation.sh"
+model_cache  # HF_HOME, where the estimate reads the model's config; or one line
 export PYTHONPATH=$(dirname "$(dirname "$launcher")")${PYTHONPATH:+:$PYTHONPATH}  # minidist, from anywhere
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
 MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
 STRATEGY=${STRATEGY:-ddp}
+IMPL=${IMPL:-torch}
 export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 export OUTPUT_DIR=${OUTPUT_DIR:-runs/00-memory-${SLURM_JOB_ID:-local}}
 # As many ranks as chess_finetune.sh will start: the GPUs SLURM gave this node, times the nodes.
@@ -74,7 +81,7 @@ fi
 # The estimate for the run about to start: chess_finetune.sh's sizes (bf16, 512 tokens), then the
 # flags given to this script that change it (later ones win, as in argparse): every flag of the
 # training loop that the estimator takes.
-ESTIMATE=(--strategy "$STRATEGY" --world_size "$WORLD_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE"
+ESTIMATE=(--impl "$IMPL" --strategy "$STRATEGY" --world_size "$WORLD_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE"
           --gradient_accumulation_steps "${ACCUMULATION:-1}" --max_seq_length 512 --mixed_precision bf16 --gpu_memory 80GB)
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
@@ -87,7 +94,7 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 echo "lesson 00: the memory estimate for this run (python -m minidist.memory $MODEL ${ESTIMATE[*]}):"
 python -m minidist.memory "$MODEL" "${ESTIMATE[@]}"
-echo "lesson 00: now the run itself, torch/$STRATEGY on $WORLD_SIZE GPU(s); on 1 A100-80GB expect CUDA out of memory in the first step"
+echo "lesson 00: now the run itself, $IMPL/$STRATEGY on $WORLD_SIZE GPU(s); on 1 A100-80GB expect CUDA out of memory in the first step"
 
 # exec: the same process, so SLURM's USR1 reaches chess_finetune.sh's trap directly.
-MODEL=$MODEL exec bash "$launcher" --strategy "$STRATEGY" "$@"
+MODEL=$MODEL exec bash "$launcher" --impl "$IMPL" --strategy "$STRATEGY" "$@"

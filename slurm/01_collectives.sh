@@ -43,12 +43,14 @@ here=${BASH_SOURCE[0]}
 [[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 SLURM_DIR=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd) || true
 [[ -f $SLURM_DIR/allocation.sh ]] || { echo "error: $SLURM_DIR/allocation.sh not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+source "$SLURM_DIR/site_setup.sh"  # the site's set-up (module load, conda activate), before anything runs
 export PYTHONPATH=$(dirname "$SLURM_DIR")${PYTHONPATH:+:$PYTHONPATH}  # minidist, from anywhere
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
 OPS=${OPS:-all_reduce reduce_scatter all_gather}
 source "$SLURM_DIR/allocation.sh"
 read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT, srun's CPUs; or one line
 echo "lesson 01: collective bandwidth on $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $HEAD_NODE:$MASTER_PORT"
+describe_nodes  # one line per node: GPUs, driver, torch, CUDA, NCCL, network variables
 command -v nvidia-smi >/dev/null && nvidia-smi topo -m || true  # NV# = NVLink between two GPUs, PIX/SYS = PCIe
 
 for op in $OPS; do

@@ -6,7 +6,8 @@
 #
 #   sbatch slurm/08_checkpoints.sh                                  # sharded checkpoints every 20 steps
 #   CHECKPOINT_FORMAT=full sbatch slurm/08_checkpoints.sh           # rank 0 writes one from_pretrained folder
-#   SAVE_STEPS=50 sbatch slurm/08_checkpoints.sh --impl minidist    # FSDP by hand (lesson 05); any finetune flag
+#   SAVE_STEPS=50 IMPL=torch sbatch slurm/08_checkpoints.sh         # PyTorch's FSDP2 instead of FSDP by hand
+#   sbatch slurm/08_checkpoints.sh --max_steps 100                  # any minidist.finetune flag, passed on
 #   scancel --batch --signal=USR1 <jobid>                           # send the warning now: the same path
 #
 # Expected outcome (NOT run: this script has not run on GPUs yet). Log lines to look for, in order, in

@@ -3,8 +3,8 @@
 # A100-80GB GPUs, judge it by its legal-move rate on 200 held-out positions, and run the three
 # classic exercises. The same code as notebooks/09_capstone.ipynb, at 7B.
 #
-#   sbatch slurm/09_capstone.sh                                    # PyTorch's FSDP2, the reference
-#   IMPL=minidist sbatch slurm/09_capstone.sh                      # the same run with FSDP by hand (parallel/fsdp.py)
+#   sbatch slurm/09_capstone.sh                                    # FSDP by hand (parallel/fsdp.py), the default
+#   IMPL=torch sbatch slurm/09_capstone.sh                         # the same run with PyTorch's FSDP2, the reference
 #   sbatch slurm/09_capstone.sh --no_fsdp                          # exercise 1: plain DDP
 #   BATCH_SIZE_PER_DEVICE=8 sbatch slurm/09_capstone.sh            # exercise 2: 1, 2, 4 (default), 8 at total batch 32
 #   sbatch slurm/09_capstone.sh --gradient_checkpointing           # exercise 3: recompute the layers in backward
@@ -34,7 +34,7 @@
 # This script only picks the lesson's defaults; the launch (srun, torchrun, the rendezvous, batch
 # sizes, requeue on preemption) is slurm/chess_finetune.sh's, run in this same batch shell (exec),
 # so SLURM's USR1 warning still reaches its trap. Environment variables: as chess_finetune.sh,
-# plus IMPL (torch or minidist). Arguments after the script name go to minidist.finetune and win.
+# plus IMPL (minidist or torch). Arguments after the script name go to minidist.finetune and win.
 #
 #SBATCH --job-name=09-capstone
 #SBATCH --nodes=1
@@ -49,7 +49,7 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-IMPL=${IMPL:-torch}
+IMPL=${IMPL:-minidist}
 # One folder per implementation and job (a requeued job keeps its id, so it resumes from it).
 export OUTPUT_DIR=${OUTPUT_DIR:-runs/09-capstone-$IMPL-${SLURM_JOB_ID:-local}}
 

@@ -51,9 +51,12 @@ here=${BASH_SOURCE[0]}
 [[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
 [[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+source "$(dirname "$launcher")/site_setup.sh"  # the site's set-up (module load, conda activate), once for the three runs
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
 OUTPUT_DIR=${OUTPUT_DIR:-runs/10-multinode-${SLURM_JOB_ID:-local}}
 echo "lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA, on ${SLURM_JOB_NUM_NODES:-?} node(s), flags: $*"
+source "$(dirname "$launcher")/allocation.sh"
+describe_nodes  # once here, not once per run: one line per node (GPUs, driver, torch, CUDA, NCCL)
 
 bytes_per_step() {  # NAME FOLDER: what metrics.jsonl says each step sent, in GB
     python - "$1" "$2/metrics.jsonl" <<'EOF'

@@ -1,11 +1,15 @@
 # What SLURM gave this job, read the same way by every script here. Sourced, not submitted:
-# chess_finetune.sh and 01_collectives.sh call its two functions before their `srun`.
+# chess_finetune.sh and 01_collectives.sh call these functions before their `srun` (lesson 00
+# calls model_cache before its estimate). The site's own set-up is site_setup.sh's, sourced first.
 #
 #   whole_number MIN NAME...  each variable must hold a whole number >= MIN, else one line and
 #                             exit status 2 (`TOTAL_BATCH_SIZE=abc` is a learner's slip, not a
 #                             shell error)
 #   read_allocation           sets NNODES, GPUS_PER_NODE, HEAD_NODE and MASTER_PORT and exports
 #                             SRUN_CPUS_PER_TASK; or one line and exit status 2
+#   model_cache               exports HF_HOME, off the home directory; or one line and exit status 2
+#   describe_nodes            one line per node: its GPUs and driver, torch, CUDA and NCCL, and the
+#                             network variables its ranks will see; once per job start
 
 whole_number() {  # MIN NAME...: each variable must hold a whole number >= MIN
     local min=$1 name
@@ -69,4 +73,53 @@ whole_number 1 MASTER_PORT
 if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
 fi
+}
+
+model_cache() {
+# The Hugging Face cache (models downloaded once on a login node, read offline by the job):
+# HF_HOME if set, else $SCRATCH/hf, else /scratch/$USER/hf. Home directories have small quotas,
+# and CodeLlama-7b alone is 13.5 GB. Download into the same place the job reads:
+#   HF_HOME=/scratch/$USER/hf python -m minidist.hf.models download codellama/CodeLlama-7b-hf
+export HF_HOME=${HF_HOME:-${SCRATCH:-/scratch/${USER:-$(id -un)}}/hf}
+if ! mkdir -p "$HF_HOME" 2>/dev/null; then
+    echo "error: cannot create HF_HOME=$HF_HOME: set SCRATCH (then HF_HOME is \$SCRATCH/hf) or HF_HOME" \
+         "to a folder you can write, with room for the model (13.5 GB for CodeLlama-7b)" >&2
+    exit 2
+fi
+echo "model cache: HF_HOME=$HF_HOME"
+}
+
+describe_nodes() {
+# One line per node, for the log and for a question to the site's help desk: the GPUs (name,
+# memory) and driver from nvidia-smi ("no nvidia-smi" where there is none), the torch, CUDA and
+# NCCL versions the ranks will import, and the network variables they will see. NCCL_SOCKET_IFNAME
+# and NCCL_IB_HCA (two nodes: the interface and the InfiniBand cards NCCL should use) reach the
+# ranks only when set: an empty one is removed, not passed on as "". Once per job start (lesson 10
+# runs chess_finetune.sh three times in one job). A failure here is reported, not fatal.
+[[ ${MINIDIST_NODES_DESCRIBED:-} == "${SLURM_JOB_ID:-}:${SLURM_RESTART_COUNT:-0}" ]] && return 0
+export MINIDIST_NODES_DESCRIBED=${SLURM_JOB_ID:-}:${SLURM_RESTART_COUNT:-0}
+local name node_line
+for name in NCCL_SOCKET_IFNAME NCCL_IB_HCA GLOO_SOCKET_IFNAME; do
+    [[ -n ${!name:-} ]] || unset "$name"
+done
+read -r -d '' node_line <<'EOF' || true
+gpus="no nvidia-smi"
+if command -v nvidia-smi >/dev/null; then
+    gpus=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sort | uniq -c |
+           sed 's/^ *\([0-9]*\) \(.*\), \([^,]*\)$/\1 x \2, driver \3/' | paste -sd ';' -)
+fi
+versions=$(python -c '
+import torch
+nccl = "none"  # a CPU build of torch has no NCCL
+try:
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception:
+    pass
+cuda = torch.version.cuda or "none"
+print(f"torch {torch.__version__}, CUDA {cuda}, NCCL {nccl}")' 2>&1 | tail -n 1)
+network=$(env | grep -E '^(NCCL_|GLOO_SOCKET_IFNAME=)' | sort | paste -sd ' ' -)
+echo "node ${SLURMD_NODENAME:-$(hostname)}: ${gpus:-nvidia-smi lists no GPU} | $versions${network:+ | $network}"
+EOF
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c "$node_line" ||
+    echo "warning: could not describe the nodes (srun failed); going on"
 }

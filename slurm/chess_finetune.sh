@@ -1,7 +1,11 @@
 #!/bin/bash
-# Fine-tune CodeLlama-7b on chess games with FSDP on one node of 4 A100-80GB GPUs.
+# Fine-tune CodeLlama-7b on chess games with FSDP on one node of 4 A100-80GB GPUs. The code that
+# runs is the course's own FSDP, written by hand (--impl minidist: minidist/parallel/fsdp.py,
+# lesson 05); IMPL=torch runs PyTorch's FSDP2 (fully_shard) instead, as the reference.
 #
-#   sbatch slurm/chess_finetune.sh                                    # FSDP, the default
+#   sbatch slurm/chess_finetune.sh                                    # FSDP by hand, the default
+#   IMPL=torch sbatch slurm/chess_finetune.sh                         # PyTorch's FSDP2, the reference
+#   SBATCH_CONSTRAINT=gpu80 sbatch slurm/chess_finetune.sh            # only 80 GB GPUs (the name is your site's)
 #   sbatch slurm/chess_finetune.sh --no_fsdp                          # plain DDP: does 7B fit?
 #   BATCH_SIZE_PER_DEVICE=8 sbatch slurm/chess_finetune.sh            # same total batch, less accumulation
 #   sbatch slurm/chess_finetune.sh --gradient_checkpointing           # trade compute for memory
@@ -23,20 +27,43 @@
 # keeps its id, hence its OUTPUT_DIR, across restarts). Its output is appended to one log.
 #
 # Expected: FSDP fits (about 27 GB of model state per GPU plus activations); --no_fsdp runs out
-# of GPU memory in its first step (16 bytes x 6.7e9 parameters = 108 GB > 80 GB). While loading,
-# each rank holds the full fp32 model in host memory before it is sharded: about 4 x 27 GB of
-# the node's RAM (--mem=0 asks for all of it); with `--impl minidist` (FSDP by hand) only rank 0
-# reads the weights and scatters the shards. `--impl minidist --strategy zero1|zero2|fsdp` runs
-# the hand-written strategies, which have run on one GPU only (an H100, world size 1, a 0.8B model).
-# This script itself has not run on GPUs yet.
+# of GPU memory in its first step (16 bytes x 6.7e9 parameters = 108 GB > 80 GB). Host memory
+# while loading: with the hand-written FSDP only rank 0 reads the weights, the whole fp32 model,
+# about 27 GB (6.74e9 x 4 bytes), and scatters the shards; the other ranks build the model's
+# shapes on the meta device and receive their shards. With IMPL=torch every rank loads the whole
+# fp32 model before fully_shard shards it: about 4 x 27 = 108 GB of the node's RAM. --mem=0 asks
+# for all of it. The hand-written strategies have run on one GPU only (an H100, world size 1, a
+# 0.8B model, on older code: lessons/reference/gpu.md); this script has not run on GPUs yet.
 #
-# Before the first job, on a login node with internet, cache the model once:
-#   python -m minidist.hf.models download codellama/CodeLlama-7b-hf
+# On a real cluster (each of these is optional; the job's log shows what it got):
+# - Site set-up: before anything else, the script sources SITE_SETUP (default slurm/site.sh, if
+#   there is one): the `module load` and `conda activate` your site needs before `python` works.
+#   For example, on a Princeton-style cluster (an example: module names and versions are your
+#   site's), a file ~/minidist-site.sh holding
+#       module purge; module load anaconda3/2024.6 cudatoolkit/12.4; conda activate minidist
+#   submitted as `SITE_SETUP=~/minidist-site.sh sbatch slurm/chess_finetune.sh` (slurm/site_setup.sh).
+# - GPU type: #SBATCH lines cannot read variables, so a GPU constraint is given at submission,
+#   with SLURM's own variable SBATCH_CONSTRAINT or `sbatch --constraint=...`. Without one the job
+#   may land on A100-40GB nodes, where 7B FSDP on 4 GPUs does not fit (about 62 GB a GPU with
+#   the 2 accumulation steps); many sites name the 80 GB ones with a feature such as `gpu80`, but
+#   the name is site-specific (`sinfo -o "%N %f"` lists the features of each node). A feature no
+#   node has is refused by sbatch ("Invalid feature specification").
+# - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
+#   directory, whose quota the 13.5 GB model would fill; created if missing, one line if it cannot be.
+# - Two nodes: NCCL_SOCKET_IFNAME (say ib0) and NCCL_IB_HCA (say mlx5_0), when the site tells you
+#   to set them, reach the ranks on every node; unset or empty, NCCL chooses.
+# - At each start, one line per node: its GPUs, memory and driver (nvidia-smi), and the torch,
+#   CUDA and NCCL versions the ranks import.
+#
+# Before the first job, on a login node with internet, cache the model once, where the job reads it:
+#   HF_HOME=${SCRATCH:-/scratch/$USER}/hf python -m minidist.hf.models download codellama/CodeLlama-7b-hf
 # Compute nodes then load it offline (HF_HUB_OFFLINE=1) from $HF_HOME.
 #
-# Environment variables (all optional): MODEL, DATA, OUTPUT_DIR, TOTAL_BATCH_SIZE,
-# BATCH_SIZE_PER_DEVICE, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS, PET_SHUTDOWN_TIMEOUT. Arguments
-# after the script name go to minidist.finetune unchanged and override the defaults below.
+# Environment variables (all optional): IMPL (minidist or torch), MODEL, DATA, OUTPUT_DIR,
+# TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS,
+# PET_SHUTDOWN_TIMEOUT, SITE_SETUP, SCRATCH, HF_HOME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA; and, read
+# by sbatch itself, SBATCH_CONSTRAINT. Arguments after the script name go to minidist.finetune
+# unchanged and override the defaults below (`--impl torch` as well as IMPL=torch).
 #
 #SBATCH --job-name=chess-finetune
 #SBATCH --nodes=1
@@ -73,8 +100,11 @@ fi
 SUBMITTED=${SUBMITTED:-${BASH_SOURCE[0]}}  # outside SLURM: this file itself
 REPO=$(cd "$(dirname "$SUBMITTED")/.." && pwd)
 [[ -f $REPO/slurm/allocation.sh ]] || { echo "error: cannot find the repository from $SUBMITTED" >&2; exit 2; }
+# The site's set-up (module load, conda activate), before anything runs: SITE_SETUP, or slurm/site.sh.
+source "$REPO/slurm/site_setup.sh"
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}  # so that `-m minidist.finetune` runs from anywhere
 
+IMPL=${IMPL:-minidist}  # the hand-written FSDP; torch: PyTorch's FSDP2, the reference
 MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
 DATA=${DATA:-$REPO/minidist/chess/data/train.jsonl}
 OUTPUT_DIR=${OUTPUT_DIR:-runs/chess-${SLURM_JOB_ID:-local}}
@@ -99,7 +129,12 @@ export MINIDIST_STOP_FILE=$OUTPUT_DIR/stop-requested
 source "$REPO/slurm/allocation.sh"
 whole_number 1 TOTAL_BATCH_SIZE BATCH_SIZE_PER_DEVICE
 whole_number 0 SAVE_STEPS
+if [[ $IMPL != minidist && $IMPL != torch ]]; then
+    echo "error: IMPL=$IMPL must be minidist (FSDP by hand) or torch (PyTorch's FSDP2)" >&2
+    exit 2
+fi
 read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT; or one line if this is no job
+model_cache      # HF_HOME, off the home directory; or one line
 
 # The total batch stays fixed; whatever one device cannot hold at once is accumulated.
 WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
@@ -112,6 +147,10 @@ GRADIENT_ACCUMULATION_STEPS=$((TOTAL_BATCH_SIZE / PER_STEP))
 
 echo "job ${SLURM_JOB_ID:-?} (start $((${SLURM_RESTART_COUNT:-0} + 1))): $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $HEAD_NODE:$MASTER_PORT," \
      "total batch $TOTAL_BATCH_SIZE = $BATCH_SIZE_PER_DEVICE x $WORLD_SIZE x $GRADIENT_ACCUMULATION_STEPS accumulation"
+describe_nodes  # one line per node: GPUs, driver, torch, CUDA, NCCL, network variables
+CONSTRAINT=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.* Features=\([^ ]*\).*/\1/p') || true
+echo "GPU constraint: $( [[ -n $CONSTRAINT && $CONSTRAINT != "(null)" ]] && echo "$CONSTRAINT" ||
+     echo "none (any GPU type: SBATCH_CONSTRAINT=... sbatch asks for one, see the header)")"
 
 # More than one node and no strategy chosen: hybrid sharding, shard within a node (see the header).
 STRATEGY=() CHOSEN=0
@@ -166,6 +205,7 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     --rdzv_backend c10d \
     --rdzv_endpoint "$HEAD_NODE:$MASTER_PORT" \
     -m minidist.finetune \
+    --impl "$IMPL" \
     --model "$MODEL" \
     --data "$DATA" \
     --output_dir "$OUTPUT_DIR" \

@@ -19,7 +19,10 @@ made with `mknod`: slurmd only checks that the files exist, then hands their ind
 Tasks are bound to cores (`task/affinity`, `TaskPluginParam=Cores`) as many sites do, so a step
 that gets fewer CPUs than its job shows it; `Verbose` makes slurmd print each task's mask into the
 job's log ("cpu-bind=MASK - vm, task 0 0 [123]: mask 0x3 set"). Each node has this machine's
-CPUs, so that the masks name real cores. A requeued job may start again once its credential
+CPUs, so that the masks name real cores. Like a site with 40 GB and 80 GB A100 nodes, the nodes
+carry a feature each, `gpu40` and `gpu80`, which a job asks for with `--constraint` (or
+`SBATCH_CONSTRAINT`); `gpu80` is the second node's, the one SLURM fills last, so that a job found
+there got there by its constraint more likely than by chance. A requeued job may start again once its credential
 expired: `cred_expire=10` makes that 10 s (the default is 120).
 
 It needs root (slurmd starts jobs as their user) and the Debian/Ubuntu packages `slurmctld
@@ -71,6 +74,7 @@ class Cluster:
         self.nodes = [socket.gethostname(), "localhost"]
         self.cpus_per_node = os.cpu_count()
         self.gpus_per_node, self.memory_mb = gpus_per_node, memory_mb
+        self.features = dict(zip(self.nodes, ("gpu40", "gpu80")))  # node -> its one feature
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._pids: list[int] = []
@@ -122,7 +126,8 @@ class Cluster:
         ]
         for node, port in zip(self.nodes, node_ports):
             lines.append(f"NodeName={node} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus_per_node} "
-                         f"RealMemory={self.memory_mb} Gres=gpu:{self.gpus_per_node} State=UNKNOWN")
+                         f"RealMemory={self.memory_mb} Gres=gpu:{self.gpus_per_node} Feature={self.features[node]} "
+                         "State=UNKNOWN")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 

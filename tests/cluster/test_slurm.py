@@ -11,7 +11,11 @@ What only a real SLURM shows, and these tests hold the scripts to:
   folder outside the repository, with no PYTHONPATH, so the scripts must find it themselves;
 - srun no longer inherits --cpus-per-task (SLURM >= 22.05), visible in the cores it binds;
 - the warning signal comes from the controller's clock, and srun passes it to every process;
-- `scontrol requeue` ends the job at once and starts it again with the same id.
+- `scontrol requeue` ends the job at once and starts it again with the same id;
+- a cluster's `python` is not the one the job needs until the site's set-up (module load, conda
+  activate) has run: every job here is submitted without the venv on its PATH, and a site file
+  (SITE_SETUP) puts it back, as `conda activate` would;
+- a GPU constraint (`SBATCH_CONSTRAINT`, `--constraint`) picks the nodes that have the feature.
 
 Checks that need no cluster (bad variables, no SLURM at all) run the scripts with bash directly.
 """
@@ -19,11 +23,13 @@ Checks that need no cluster (bad variables, no SLURM at all) run the scripts wit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from minidist.chess.games import bundled_games
 
@@ -55,8 +61,8 @@ LESSONS = {
     "07_mixed_precision": {"log": ["lesson 07: minidist/fsdp, compute bf16, gradients reduced in fp32",
                                    "minidist/fsdp on 2 x cpu", "step    2/2"]},
     "08_checkpoints": {"args": FINETUNE_ARGS + ["--save_steps", "1"], "latest": "checkpoint-2",
-                       "log": ["lesson 08: sharded checkpoints", "torch/fsdp on 2 x cpu", "step    2/2"]},
-    "09_capstone": {"log": ["lesson 09 (capstone): torch/fsdp", "torch/fsdp on 2 x cpu", "step    2/2"]},
+                       "log": ["lesson 08: sharded checkpoints", "minidist/fsdp on 2 x cpu", "step    2/2"]},
+    "09_capstone": {"log": ["lesson 09 (capstone): minidist/fsdp", "minidist/fsdp on 2 x cpu", "step    2/2"]},
     # Two nodes (its own #SBATCH --nodes=2) x 2 ranks, three runs in OUTPUT_DIR/fsdp, hsdp and hsdp-lora.
     "10_multinode": {"trains": False, "log": ["lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA,"
                                               " on 2 node(s)", "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
@@ -64,6 +70,27 @@ LESSONS = {
                                               "hsdp step 2: rank 0 sent", "hsdp-lora step 2: rank 0 sent"]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
+VENV_BIN = Path(sys.executable).parent
+# What a site's `conda activate` does: put the environment's python and torchrun first on PATH.
+# It also reads PS1, unset in a batch shell, as conda's own scripts do: under the scripts' `set -u`
+# that would end the job, so the hook must be sourced with it off.
+SITE_FILE = f"""prompt_before=$PS1
+export PATH={VENV_BIN}:$PATH
+echo "test site: sourced on ${{SLURMD_NODENAME:-?}}"
+"""
+SITE_SOURCED = "test site: sourced on "
+# The one line per node each start writes: GPUs (none here), then the torch the ranks import.
+NODE_LINE = (rf"^node (\S+): (.*) \| torch {re.escape(torch.__version__)}, CUDA {torch.version.cuda or 'none'}, "
+             r"NCCL (\S+)(?: \| (.*))?$")
+
+
+def node_lines(log: str) -> dict[str, tuple[str, str]]:
+    """Node name -> (its GPUs, the network variables its ranks saw), from each `node ...` line."""
+    lines = re.findall(NODE_LINE, log, flags=re.M)
+    assert len({name for name, *_ in lines}) == len(lines), log  # one line per node
+    if shutil.which("nvidia-smi") is None:
+        assert all(gpus == "no nvidia-smi" for _, gpus, _, _ in lines), log
+    return {name: (gpus, network) for name, gpus, _, network in lines}
 
 
 class Jobs:
@@ -72,16 +99,23 @@ class Jobs:
     def __init__(self, cluster, folder: Path, model: str):
         self.cluster, self.folder, self.model = cluster, folder, model
         self.ids, self.logs, self.outs = {}, {}, {}
+        self.site = folder / "site" / "minidist-site.sh"
+        self.site.parent.mkdir()
+        self.site.write_text(SITE_FILE)
 
     def submit(self, name, script, *args, options=(), env=None, output_dir=None):
         out = output_dir or self.folder / f"out-{name}"
+        path = [p for p in os.environ["PATH"].split(os.pathsep) if p and Path(p).resolve() != VENV_BIN.resolve()]
         variables = {
-            # the venv's python and torchrun; no PYTHONPATH: the scripts must find the repository
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            # No venv on PATH (the site file puts it there) and no PYTHONPATH (the scripts must
+            # find the repository); the model cache under a scratch folder of this test's.
+            "PATH": os.pathsep.join(path), "SITE_SETUP": str(self.site), "SCRATCH": str(self.folder / "scratch"),
             "MODEL": self.model, "DATA": str(bundled_games("train")), "OUTPUT_DIR": str(out),
             "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2", "HF_HUB_OFFLINE": "1", **(env or {}),
         }
-        env_all = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | variables
+        unwanted = ("PYTHONPATH", "HF_HOME", "VIRTUAL_ENV", "PS1")
+        env_all = {k: v for k, v in os.environ.items()
+                   if k not in unwanted and not k.startswith(("SBATCH_", "NCCL_", "GLOO_"))} | variables
         # Submitted by a path relative to a folder outside the repository, as a learner might.
         script = os.path.relpath(SLURM / script, self.folder)
         job = self.cluster.sbatch(script, *args, options=[f"--job-name={name}", "--output=%x-%j.out", *options],
@@ -108,26 +142,36 @@ def jobs(slurm_cluster, tiny_model, tmp_path_factory):
     jobs.submit("no-gpus", "chess_finetune.sh", options=["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G"])
     jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G"],
                 env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"})
+    (jobs.folder / "a-file").write_text("not a folder")  # so no HF_HOME can be made under it
+    jobs.submit("no-model-cache", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                env={"SCRATCH": str(jobs.folder / "a-file" / "scratch")})
     # The time limit's own warning: 2 minutes, USR1 30 s before the end. slurmctld looks at its
     # clock every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into a start.
     # The ranks hold after step 3, the last, until it does (MINIDIST_PAUSE_AT, preemption.py), so
     # the next start has only to load the checkpoint and finish. Queued first: it mostly waits.
+    # PyTorch's FSDP2, the reference (IMPL=torch), so that its path keeps running under SLURM too.
     jobs.submit("time-limit", "chess_finetune.sh", "--max_steps", "3", *SMALL, "--no_save",
-                options=[*SMALL_JOB, "--time=2", "--signal=B:USR1@30"], env={"MINIDIST_PAUSE_AT": "step:3"})
+                options=[*SMALL_JOB, "--time=2", "--signal=B:USR1@30"], env={"MINIDIST_PAUSE_AT": "step:3", "IMPL": "torch"})
     # One node, two CPUs for srun's task (a whole node here), evaluation, a checkpoint per step...
     cpus = min(2, slurm_cluster.cpus_per_node)
+    # (NCCL_SOCKET_IFNAME set but empty: not passed on as "".)
     one_node = jobs.submit("one-node", "chess_finetune.sh", "--max_steps", "2", "--max_seq_length", "48",
                            "--eval_prefixes", "8", "--save_steps", "1",
-                           options=[f"--cpus-per-task={cpus}", "--gpus-per-node=2", "--mem=2G"])
+                           options=[f"--cpus-per-task={cpus}", "--gpus-per-node=2", "--mem=2G"],
+                           env={"NCCL_SOCKET_IFNAME": ""})
     # ...then, in the same folder, a job warned before its ranks even started: from checkpoint-2 on.
     jobs.submit("early-warning", "chess_finetune.sh", "--max_steps", "4", *SMALL, "--no_save",
                 options=[*SMALL_JOB, f"--dependency=afterok:{one_node}"], output_dir=jobs.outs["one-node"])
     slurm_cluster.signal_when(jobs.ids["early-warning"], jobs.logs["early-warning"], "(start 1)")
-    # Two nodes, one rank each, and a warning sent by hand while the ranks hold after step 3.
+    # Two nodes, one rank each, and a warning sent by hand while the ranks hold after step 3; the
+    # NCCL network settings a two-node job may need (unused by gloo: only seen on every node).
     jobs.submit("preempted", "chess_finetune.sh", "--max_steps", "6", *SMALL, "--checkpoint_format", "full",
                 options=["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=1", "--mem=2G"],
-                env={"MINIDIST_PAUSE_AT": "step:3"})
+                env={"MINIDIST_PAUSE_AT": "step:3", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5_0"})
     slurm_cluster.signal_when(jobs.ids["preempted"], jobs.logs["preempted"], "paused at step 3")
+    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
+    jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=SMALL_JOB,
+                env={"SBATCH_CONSTRAINT": "gpu80"})
     for script in LESSON_SCRIPTS:
         lesson = LESSONS.get(script.stem, {})
         jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=SMALL_JOB,
@@ -146,6 +190,10 @@ def test_every_lesson_script_runs_under_slurm(jobs, script):
     [(record, log)] = jobs.wait(script.stem)
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert "Traceback" not in log, log
+    # The site's set-up, once, before anything ran Python: the estimate (00), a node's line, the training.
+    assert f"site set-up: sourcing {jobs.site}" in log and log.count(SITE_SOURCED) == 1, log
+    python = [log.find(text) for text in ("lesson 00: the memory estimate", "\nnode ", " x cpu") if text in log]
+    assert python and log.index(SITE_SOURCED) < min(python), log
     for line in lesson.get("log", []):
         assert line in log, f"{script.name}: expected {line!r} in its log:\n{log}"
     if lesson.get("trains", True):
@@ -177,8 +225,15 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     # 8 = 2 per device x 2 ranks x 2 accumulation steps, computed by the script.
     assert "1 node(s) x 2 GPUs" in log and "total batch 8 = 2 x 2 x 2 accumulation" in log
-    assert "torch/fsdp on 2 x cpu" in log and "step    2/2" in log
+    assert "minidist/fsdp on 2 x cpu" in log and "step    2/2" in log  # the hand-written FSDP by default
     assert "legal-move rate after training" in log
+    # The model cache under SCRATCH, made by the script; one line for the node, no network variable
+    # (the empty NCCL_SOCKET_IFNAME was not passed on); no GPU constraint asked for.
+    scratch = jobs.folder / "scratch"
+    assert f"model cache: HF_HOME={scratch}/hf" in log and (scratch / "hf").is_dir(), log
+    nodes = node_lines(log)
+    assert list(nodes) == [record["NodeList"]] and nodes[record["NodeList"]][1] == "", log
+    assert "GPU constraint: none" in log
     assert (jobs.outs["one-node"] / "model" / "config.json").exists()
     # slurmd prints the cores it binds each task to: the batch shell's, then srun's one task.
     # srun must get the job's --cpus-per-task (SLURM >= 22.05 no longer passes it on by itself).
@@ -197,7 +252,12 @@ def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
     head = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()[0]
     assert f"2 node(s) x 1 GPUs, rendezvous {head}:" in first
     # More than one node and no strategy asked for: hybrid sharding, one rank per copy here.
-    assert "2 nodes: hybrid sharding (--strategy hsdp)" in first and "torch/hsdp on 2 x cpu" in first
+    assert "2 nodes: hybrid sharding (--strategy hsdp)" in first and "minidist/hsdp on 2 x cpu" in first
+    # One line per node, each with the NCCL settings as the ranks there see them.
+    nodes = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()
+    assert {name: network for name, (_, network) in node_lines(first).items()} == {
+        name: "NCCL_IB_HCA=mlx5_0 NCCL_SOCKET_IFNAME=lo" for name in nodes}, first
+    assert set(node_lines(second)) == set(nodes), second
     out = jobs.outs["preempted"]
     assert "USR1: the time limit is near; asking the training to save and stop" in first
     assert first.count("stopped by SIGUSR1 after step 3: saved") == 1, first
@@ -216,6 +276,7 @@ def test_the_time_limit_warning_stops_requeues_and_resumes(jobs):
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert int(record["Restarts"]) >= 1, log
     first, *later = starts(log)
+    assert "torch/fsdp on 2 x cpu" in first  # IMPL=torch: PyTorch's FSDP2
     assert "USR1: the time limit is near" in first
     stopped = re.search(r"stopped by SIGUSR1 after step (\d): saved (\S+);", first)
     assert stopped, first
@@ -271,11 +332,35 @@ def test_sizes_that_do_not_divide_stop_the_job_with_one_line(jobs):
         "error: TOTAL_BATCH_SIZE=10 is not divisible by 2 GPUs x BATCH_SIZE_PER_DEVICE=4; pick sizes whose product divides it")
 
 
+def test_a_model_cache_that_cannot_be_made_stops_the_job_with_one_line(jobs):
+    [(record, log)] = jobs.wait("no-model-cache")
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
+    assert log.strip().splitlines()[-1] == (
+        f"error: cannot create HF_HOME={jobs.folder}/a-file/scratch/hf: set SCRATCH (then HF_HOME is $SCRATCH/hf) "
+        "or HF_HOME to a folder you can write, with room for the model (13.5 GB for CodeLlama-7b)"), log
+
+
+def test_a_gpu_constraint_picks_the_nodes_that_have_it(jobs, slurm_cluster):
+    """SBATCH_CONSTRAINT=gpu80 (what the script's header says to use for 80 GB GPUs): the job runs
+    on the one node with that feature, and says so; a feature no node has is refused by sbatch."""
+    [(record, log)] = jobs.wait("gpu80")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    gpu80 = [node for node, feature in slurm_cluster.features.items() if feature == "gpu80"]
+    assert record["Features"] == "gpu80" and record["NodeList"] == gpu80[0], record
+    assert list(node_lines(log)) == gpu80 and "GPU constraint: gpu80" in log and "step    1/1" in log, log
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        jobs.submit("gpu120", "chess_finetune.sh", options=SMALL_JOB, env={"SBATCH_CONSTRAINT": "gpu120"})
+    assert "Invalid feature specification" in refused.value.stderr, refused.value.stderr
+
+
 # -- without a cluster: the scripts run with bash, as a learner might by mistake ---------------
 
-def run_script(script, **env):
-    variables = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | env
-    return subprocess.run(["bash", str(SLURM / script)], env=variables, capture_output=True, text=True, timeout=60)
+def run_script(script, folder=SLURM, **env):
+    """Run a script with bash outside SLURM; no site set-up unless SITE_SETUP is given (a learner's
+    own slurm/site.sh stays out of the tests)."""
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"SITE_SETUP": ""} | env
+    variables = {k: v for k, v in variables.items() if v is not None}  # None: leave it unset
+    return subprocess.run(["bash", str(folder / script)], env=variables, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("script", ["chess_finetune.sh", "01_collectives.sh", "02_ddp.sh"])
@@ -294,6 +379,39 @@ def test_a_bad_batch_variable_is_one_line(name, value, least):
     done = run_script("chess_finetune.sh", **{name: value})
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: {name}={value} must be a whole number of at least {least}"]
+
+
+def test_a_bad_impl_is_one_line():
+    done = run_script("chess_finetune.sh", IMPL="fsdp2")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["error: IMPL=fsdp2 must be minidist (FSDP by hand) or torch (PyTorch's FSDP2)"]
+
+
+def test_the_site_set_up_is_slurm_site_sh_by_default_or_the_file_site_setup_names(tmp_path):
+    """The hook is sourced first, before the script even finds it is outside SLURM: slurm/site.sh
+    beside the scripts by default (here in a copy of slurm/), or the file SITE_SETUP names; a
+    missing file or one that ends with an error is one line."""
+    folder = tmp_path / "repository" / "slurm"
+    shutil.copytree(SLURM, folder)
+    (folder / "site.sh").write_text('echo "site.sh: sourced"\n')
+    (tmp_path / "mine.sh").write_text('echo "mine.sh: sourced"\n')
+    # A site file whose last command failed (say, `conda activate` of an environment that is not there).
+    (tmp_path / "broken.sh").write_text('echo "activating"\nfalse\n')
+    outside = ["error: this is a SLURM batch script and SLURM_JOB_ID is not set: submit it with sbatch "
+               "(on one machine, run torchrun -m minidist.finetune directly: see README.md)"]
+    default = run_script("chess_finetune.sh", folder, SITE_SETUP=None)
+    named = run_script("chess_finetune.sh", folder, SITE_SETUP=str(tmp_path / "mine.sh"))
+    for done, site in ((default, folder / "site.sh"), (named, tmp_path / "mine.sh")):
+        assert (done.returncode, done.stderr.splitlines()) == (2, outside), done.stderr
+        assert done.stdout.splitlines()[:2] == [f"site set-up: sourcing {site}", f"{site.name}: sourced"], done.stdout
+    missing = run_script("chess_finetune.sh", folder, SITE_SETUP=str(tmp_path / "nowhere.sh"))
+    assert (missing.returncode, missing.stderr.splitlines()) == (2, [
+        f"error: SITE_SETUP={tmp_path / 'nowhere.sh'} is not a file: name the site set-up to source "
+        "(module load, conda activate), or leave SITE_SETUP empty for none"]), missing.stderr
+    broken = run_script("chess_finetune.sh", folder, SITE_SETUP=str(tmp_path / "broken.sh"))
+    assert broken.returncode == 2 and broken.stderr.splitlines()[-1] == (
+        f"error: the site set-up {tmp_path / 'broken.sh'} ended with status 1: fix it, or submit with "
+        "SITE_SETUP= to skip it"), broken.stderr
 
 
 def test_a_compressed_node_list_gives_its_first_node_as_the_rendezvous(slurm_cluster):
