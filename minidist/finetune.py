@@ -41,7 +41,7 @@ from minidist.chess import jsonl, legal_moves
 from minidist.chess.games import bundled_games
 from minidist.hf import lora, model_folder, models
 from minidist.runtime import metrics
-from minidist.runtime.distributed import cleanup, init_distributed
+from minidist.runtime.distributed import cleanup, init_distributed, use_cores_for_offload
 from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.parallel.options import ParallelOptions
@@ -107,6 +107,10 @@ def train(args, around_train_step=None) -> dict:
     forward and backward). `notebooks/workers_06.py` counts CPU seconds there; the loop does not
     know what is measured."""
     env = init_distributed()
+    if args.cpu_offload:  # AdamW steps on the host: this rank's share of the CPU cores, not torchrun's one thread
+        line = use_cores_for_offload(env)  # every rank sets its threads; rank 0 says how many
+        if env.is_main:
+            print(line)
     session = Session(args.output_dir, env, resume=args.resume, overwrite=args.overwrite_output_dir,
                       save_steps=args.save_steps, keep=args.save_total_limit, form=args.checkpoint_format)
     with session:  # this run's output folder alone, and the signal handlers put back after it (session.py)
