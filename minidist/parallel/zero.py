@@ -56,12 +56,14 @@ full gradients until the last micro-batch, as PyTorch's FSDP does with
 `flat.py`'s layout is shared with `fsdp.py`, which shards the parameters themselves (ZeRO-3).
 """
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from minidist.parallel import comm, offload
-from minidist.parallel.flat import Flat, FlatLayout, clip_sharded_grad_norm_, gather_parameters
+from minidist.parallel.flat import Flat, FlatLayout, clip_sharded_grad_norm_, gather_flat, gather_parameters
 from minidist.parallel.precision import MixedPrecision, for_reduction
 from minidist.parallel.wrapper import DataParallelWrapper, GradientCount, pack_buckets, weak_hook
 
@@ -146,57 +148,244 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1: any `torch.optim` optimizer, each rank stepping only its shard of the parameters.
 
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        optimizer = ShardedOptimizer([{"params": matrices, "weight_decay": 0.1},
+                                      {"params": norms_and_biases, "weight_decay": 0.0}],
+                                     torch.optim.AdamW, lr=1e-3)
 
-    The parameters are packed into flat buckets (their storage becomes the buckets'); rank r keeps
-    fp32 masters and optimizer states for shard r only. `step` gives each master the gradient of its
-    shard (the parameters' gradients must already be averaged over the ranks, as after DDP; `ZeroDP`
-    reduce-scatters them itself), steps `optimizer_class` on the masters, and all-gathers the
-    updated shards into every rank's parameters. `param_groups` and `state` are the inner
-    optimizer's, so learning-rate schedulers and checkpoints see the masters. It takes one group of
-    parameters (no per-group options), and steps the inner optimizer once per group of buckets,
-    relying on it to skip parameters without a gradient, as every `torch.optim` class does."""
+    A drop-in for the optimizer it wraps, as PyTorch's `ZeroRedundancyOptimizer` is: parameters or
+    groups of them (dicts with options of their own), frozen parameters among them (left alone),
+    `add_param_group`, `step(closure, **kwargs)`, `zero_grad`, and a `state_dict()` in the
+    wrapped optimizer's own form.
+
+    Each group's trainable parameters are packed into flat buckets of their own (their storage
+    becomes the buckets'); rank r keeps an fp32 master of shard r of each bucket, and optimizer
+    states for those masters only. `self.optimizer`, an `optimizer_class` over the masters with
+    one group per group given, does the arithmetic. `step` gives each master the gradient of its
+    shard (the parameters' gradients must already be averaged over the ranks, as after DDP;
+    `ZeroDP` reduce-scatters them itself), steps the masters, and all-gathers the updated shards
+    into every rank's parameters. `param_groups` and `state` are the inner optimizer's, so
+    learning-rate schedulers and the loop's checkpoints (`flat_state.py`) see the masters.
+
+    **A parameter without a gradient is not stepped**, as in `torch.optim`, where momentum, Adam's
+    moments and weight decay would otherwise keep moving it. A bucket none of whose parameters has
+    a gradient gives its master none, and the inner optimizer skips it. In a bucket where some
+    have one, the slices of the others, in the master and in its states, are put back after the
+    step. What they cannot keep apart is a count per tensor, such as Adam's `step` (its bias
+    correction): a parameter that sits out steps its bucket takes counts them too.
+    `bucket_cap_mb=0` gives every parameter a bucket of its own, and exact counts.
+
+    **State dicts** are keyed as the wrapped optimizer's: by each parameter's index, counted over
+    the groups in order, each state in its parameter's shape. As no rank holds them all,
+    `consolidate_state_dict(to)`, called on every rank, all-gathers them, rank `to` keeps them in
+    host memory, and its `state_dict()` returns them (until the next step). `load_state_dict`
+    takes that form, from this optimizer or from the wrapped one itself: each rank keeps its shard."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, bucket_cap_mb: float = 25.0,
                  **defaults):
         params = list(params)
+        self.optimizer_class, self.group, self.bucket_cap_mb = optimizer_class, process_group, bucket_cap_mb
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.buckets, self.optimizer = [], None
+        self._user_params = []  # the parameters given, group by group (frozen ones too): what state dicts count
+        self._laid_out = None  # ZeroDP's buckets, for the first group
+        self._not_stepped = set()  # ids of parameters with no state of their own in torch.optim (their bucket has one)
+        self._consolidated = None  # consolidate_state_dict's, on rank `to`: the states by parameter id
         if params and isinstance(params[0], FlatBucket):  # ZeroDP's buckets, already laid out
-            self.buckets = params
-        else:
-            world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-            trainable = [p for p in params if p.requires_grad]
-            with torch.no_grad():
-                self.buckets = [FlatBucket(run, world, rank, run[0].dtype)
-                                for run in pack_buckets(trainable, int(bucket_cap_mb * 2**20))]
-        self.group = process_group
-        self.optimizer = optimizer_class([b.master for b in self.buckets], **defaults)
-        super().__init__([b.master for b in self.buckets], self.optimizer.defaults)
+            self._laid_out, params = params, [p for b in params for p in b.params]
+        super().__init__(params, defaults)  # checks `params` and adds each group (add_param_group below)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one set, shared
+        self.defaults = self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters, with options of its own: its trainable parameters are sharded
+        into new buckets (one group's options step a bucket), their masters a new group of the
+        inner optimizer, which fills in its defaults as it would for the parameters themselves."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        given = {id(p) for group in self._user_params for p in group}
+        if any(id(p) in given for p in params) or len({id(p) for p in params}) < len(params):
+            raise ValueError("some parameters appear twice in ShardedOptimizer's groups; give each parameter once")
+        if self._laid_out is not None:
+            buckets, self._laid_out = self._laid_out, None
+        else:
+            trainable = [p for p in params if p.requires_grad]  # frozen ones are counted, never stepped
+            with torch.no_grad():
+                buckets = [FlatBucket(run, self.world_size, self.rank, run[0].dtype)
+                           for run in pack_buckets(trainable, int(self.bucket_cap_mb * 2**20))]
+        masters = {**{k: v for k, v in param_group.items() if k != "params"}, "params": [b.master for b in buckets]}
+        if self.optimizer is None:  # the first group: the inner optimizer, with the options given
+            self.optimizer = self.optimizer_class([masters], **self.defaults)
+        else:
+            self.optimizer.add_param_group(masters)
+        self.buckets += buckets
+        self._user_params.append(params)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
         """A few buckets at a time (`STEP_BYTES` of masters): give each master the fp32 gradient of
-        its shard, step, all-gather. The inner optimizer skips masters without a gradient, so what
-        a step allocates besides the states (the fp32 copy of a bf16 gradient, the multi-tensor
-        AdamW's temporaries) is one group's, not the whole shard's; and the groups are few (27 for
-        CodeLlama-7b's 258 buckets on 4 ranks), so the optimizer's per-call work stays small."""
+        its shard, step, put back the slices of parameters without a gradient, all-gather.
+        `kwargs` go to the inner optimizer's `step`. The inner optimizer skips masters without a
+        gradient, so what a step allocates besides the states (the fp32 copy of a bf16 gradient,
+        the multi-tensor AdamW's temporaries) is one group's, not the whole shard's; and the groups
+        are few (27 for CodeLlama-7b's 258 buckets on 4 ranks), so the optimizer's per-call work
+        stays small."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._consolidated = None  # the states move: a state_dict() needs a new consolidate_state_dict()
         of_master = {id(b.master): b for b in self.buckets}
         for masters in pack_buckets([b.master for b in self.buckets], STEP_BYTES):
             group = [of_master[id(m)] for m in masters]
-            for bucket in group:
-                bucket.master.grad = bucket.master_gradient()
-            self.optimizer.step()
-            for bucket in group:
+            kept = [self._give_gradient(bucket) for bucket in group]
+            self.optimizer.step(**kwargs)
+            for bucket, still in zip(group, kept):
+                _put_back(bucket, still, self.optimizer.state.get(bucket.master, {}))
                 bucket.master.grad = None
                 bucket.refresh_weights(self.group)
         return loss
 
+    def _give_gradient(self, bucket: FlatBucket) -> list:
+        """Set the master's gradient: its shard's, or None where no parameter of the bucket has one.
+        Returns what the step must leave as it is: for each slice of this rank's shard that belongs
+        to a parameter without a gradient, its master and states, as they are now."""
+        without = [p for p in bucket.params if not _has_gradient(bucket, p)]
+        if len(without) == len(bucket.params):
+            bucket.master.grad = None
+            return []
+        state = self.optimizer.state.get(bucket.master, {})
+        for p in bucket.params:  # torch.optim gives a parameter a state at its first step with a gradient
+            if all(p is not q for q in without):
+                self._not_stepped.discard(id(p))
+            elif not state:
+                self._not_stepped.add(id(p))
+        bucket.master.grad = bucket.master_gradient()
+        return [(piece, bucket.master[piece].clone(),
+                 {k: v[piece].clone() for k, v in state.items() if _per_element(k, v, bucket.master)})
+                for piece in _pieces(bucket, without)]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As `torch.optim`'s: ZeRO-1's flat gradients zeroed (each `param.grad` a view of one),
+        ZeRO-2's shards let go of (or zeroed), and alone, the parameters' own gradients."""
         for bucket in self.buckets:
             bucket.zero_grad(set_to_none)
+            if bucket.grad is None and not set_to_none:  # the parameters' own gradients, zeroed as torch.optim does
+                for p in bucket.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's states onto rank `to` of the group (every rank calls it): each
+        master's state all-gathered, one bucket at a time, and cut into its parameters, in their
+        shapes, in host memory. `state_dict()` on rank `to` returns them, until the next step."""
+        states = {}
+        for bucket in self.buckets:
+            state = self.optimizer.state.get(bucket.master, {})
+            cut = {k for k, v in state.items() if _per_element(k, v, bucket.master)}
+            gathered = {k: gather_flat(bucket.layout, state[k], self.group) for k in cut}  # every rank takes part
+            if self.rank != to:
+                continue
+            whole = {k: gathered[k].to("cpu", v.dtype) if k in cut
+                     else v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in state.items()}
+            for p, offset in zip(bucket.params, bucket.layout.offsets):
+                if whole and id(p) not in self._not_stepped:
+                    states[id(p)] = {k: v[offset:offset + p.numel()].view(p.shape).clone() if k in cut
+                                     else copy.deepcopy(v) for k, v in whole.items()}
+        self._consolidated = states if self.rank == to else None
+
+    def state_dict(self) -> dict:
+        """The state in the wrapped optimizer's form, as of the last `consolidate_state_dict`."""
+        if self._consolidated is None:
+            raise RuntimeError(f"ShardedOptimizer.state_dict() on rank {self.rank} has no states: call "
+                               f"consolidate_state_dict(to={self.rank}) on every rank first, after the last step")
+        index, groups = {}, []
+        for group, params in zip(self.param_groups, self._user_params):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in params]
+            groups.append(packed)
+        states = sorted((index[i], state) for i, state in self._consolidated.items())
+        return {"state": dict(states), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of the wrapped optimizer's form (this optimizer's, or the wrapped
+        optimizer's own, on the same parameters in the same groups): every rank cuts its shard of
+        each state from its parameters' states, and the inner optimizer loads those, casting them
+        to the masters' dtype and device as it would."""
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(params) for params in self._user_params]:
+            raise ValueError(f"this state dict's groups hold {[len(g['params']) for g in saved_groups]} parameters, "
+                             f"ShardedOptimizer's {[len(p) for p in self._user_params]}; load one saved from the same "
+                             "parameters in the same groups")
+        saved = {id(p): state_dict["state"][i] for params, group in zip(self._user_params, saved_groups)
+                 for p, i in zip(params, group["params"]) if i in state_dict["state"]}
+        index = {id(m): i for i, m in enumerate(m for group in self.param_groups for m in group["params"])}
+        inner = {"state": {}, "param_groups": []}
+        for group, saved_group in zip(self.param_groups, saved_groups):
+            inner["param_groups"].append({**{k: v for k, v in saved_group.items() if k != "params"},
+                                          "params": [index[id(m)] for m in group["params"]]})
+        for bucket in self.buckets:
+            shard = _shard_state(bucket, saved)
+            if shard:
+                inner["state"][index[id(bucket.master)]] = shard
+        self.optimizer.load_state_dict(inner)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # new ones
+        self._not_stepped = {id(p) for b in self.buckets if b.master in self.state for p in b.params
+                             if id(p) not in saved}
+        self._consolidated = None
+
+
+def _has_gradient(bucket: FlatBucket, param) -> bool:
+    if bucket.grad is not None or bucket.grad_shard is not None:
+        return True  # ZeroDP's bucket: every parameter's gradient is in its flat gradient
+    return param.grad is not None
+
+
+def _pieces(bucket: FlatBucket, params) -> list[slice]:
+    """The slices of this rank's shard of `bucket` (of its master) that belong to `params`."""
+    start, stop = bucket.layout.shard_slice.start, bucket.layout.shard_slice.stop
+    pieces = []
+    for p, offset in zip(bucket.params, bucket.layout.offsets):
+        lo, hi = max(offset, start), min(offset + p.numel(), stop)
+        if lo < hi and any(p is q for q in params):
+            pieces.append(slice(lo - start, hi - start))
+    return pieces
+
+
+def _per_element(key: str, value, like: torch.Tensor) -> bool:
+    """Whether a state is one number per element of `like` (Adam's moments, SGD's momentum), and
+    so is cut with it, rather than one per tensor (Adam's `step`), shared by the bucket."""
+    return torch.is_tensor(value) and value.shape == like.shape and key != "step"
+
+
+@torch.no_grad()
+def _put_back(bucket: FlatBucket, kept: list, state: dict) -> None:
+    """Undo the step on the slices of parameters without a gradient. A state the step created
+    starts at zero there, as a state of their own will (torch.optim's moments and momentum)."""
+    for piece, master, states in kept:
+        bucket.master[piece] = master
+        for key, value in state.items():
+            if _per_element(key, value, bucket.master):
+                value[piece] = states[key] if key in states else 0
+
+
+def _shard_state(bucket: FlatBucket, saved: dict) -> dict:
+    """This rank's shard of a bucket's state, cut from its parameters' `saved` states (by id): the
+    parameters without one get zeros; a state per tensor is the first parameter's."""
+    have = [(p, offset) for p, offset in zip(bucket.params, bucket.layout.offsets) if id(p) in saved]
+    if not have:
+        return {}
+    start, stop = bucket.layout.shard_slice.start, bucket.layout.shard_slice.stop
+    shard = {}
+    for key, value in saved[id(have[0][0])].items():
+        if not _per_element(key, value, have[0][0]):
+            shard[key] = value
+            continue
+        shard[key] = torch.zeros(bucket.layout.shard_numel, dtype=value.dtype, device=value.device)
+        for p, offset in have:
+            lo, hi = max(offset, start), min(offset + p.numel(), stop)
+            if lo < hi:
+                shard[key][lo - start:hi - start] = saved[id(p)][key].reshape(-1)[lo - offset:hi - offset]
+    return shard
 
 
 class ZeroDP(DataParallelWrapper):
