@@ -57,6 +57,8 @@ unit is flattened on rank 0 and *scattered*, rank r receiving shard r. For CodeL
 node: rank 0 holds the fp32 model in host memory (27 GB) plus one flattened unit (a decoder layer,
 202M parameters: 0.8 GB), the three other ranks hold nothing, and each GPU receives 6.7 GB of fp32
 shards; if every rank loaded the model, the node would need 4 x 27 = 108 GB of host memory.
+While rank 0 reads, the others wait on a CPU barrier with an hour's timeout
+(`distributed.wait_for_rank0`), not inside the scatter, whose timeout (600 s) a slow read can outlast.
 
 The learner's check that all this is right: `tests/parallel/test_zero_fsdp.py` trains it next to a
 single process on the whole batch and finds the same losses and weights.

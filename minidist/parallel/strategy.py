@@ -3,7 +3,7 @@
 The training loop in `finetune.py` never asks which strategy it runs. It picks one by name and
 implementation from `STRATEGY_CLASSES` (a dict: `get_strategy(options, env)`), then calls:
 
-    model = strategy.load_model(name)           # FSDP by hand: the weights on rank 0 only
+    model = strategy.load_model(name)           # FSDP: the weights read on rank 0 only
     strategy.checkpoint_activations(model)      # with --gradient_checkpointing
     model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP)
     optimizer = strategy.build_optimizer(model, lr, weight_decay)
@@ -214,13 +214,8 @@ class MinidistFSDP(ShardedByHand):
 
     def load_model(self, name_or_path):
         """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
-        no memory) and receive their shards when `wrap` scatters them."""
-        if self.env.rank == 0:
-            return super().load_model(name_or_path)
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name_or_path), dtype=torch.float32)
+        no memory) and receive their shards when `wrap` scatters them (`load_on_rank0`)."""
+        return load_on_rank0(name_or_path, self.env)
 
     def wrap(self, model):
         from minidist.parallel.fsdp import FullyShardedDataParallel
@@ -235,9 +230,18 @@ class TorchFSDP(Strategy):
     On HSDP's 2-D mesh (`--strategy hsdp`) fully_shard replicates along dim 0 and shards along
     dim 1."""
 
+    def load_model(self, name_or_path):
+        """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
+        no memory), and `wrap` broadcasts rank 0's weights into every rank's shards (`load_on_rank0`)."""
+        return load_on_rank0(name_or_path, self.env)
+
     def wrap(self, model):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+        # Rank 0's weights, whole, taken before fully_shard turns its parameters into shards: every
+        # rank's shards are loaded from them below. The other ranks may hold shapes only, or weights
+        # of their own: rank 0's win, as in DDP.
+        full = model.state_dict() if self.env.rank == 0 else {}
         kwargs = {"mesh": self.mesh.shard_device_mesh()}
         if self.options.cpu_offload:  # sharded parameters, gradients and optimizer states on the host
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs a GPU
@@ -252,7 +256,37 @@ class TorchFSDP(Strategy):
         # The root unit holds what is left (embeddings, final norm, output layer). fully_shard
         # moves each shard onto the mesh's device, so the full model never sits on one GPU.
         fully_shard(model, **kwargs)
+        if self.env.world_size > 1:
+            self._load_from_rank0(model, full)
         return model
+
+    def _load_from_rank0(self, model, full: dict) -> None:
+        """Fill every rank's shards and buffers from rank 0's weights (`full` there, {} elsewhere).
+
+        A rank whose model was built on the meta device first gets memory, uninitialised
+        (`to_empty`): its shards where FSDP2 keeps them (the GPU, or the host with --cpu_offload),
+        its buffers on the compute device, where fully_shard moved rank 0's. Buffers that no
+        state dict holds (non-persistent: Llama's rotary frequencies) are computed when the model
+        is built, so rank 0's are right: they are broadcast. Then PyTorch's distributed state-dict
+        API sends the weights from rank 0 one tensor at a time, and each rank keeps its own shard
+        of each: no rank but 0 ever holds the whole model."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        device = self.env.device
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            model.to_empty(device="cpu" if self.options.cpu_offload else device)
+        computed = []  # the buffers no state dict holds
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf = buf.to(device)
+                if buf is not None and name in module._non_persistent_buffers_set:
+                    computed.append(buf)
+        for buf in computed:
+            dist.broadcast(buf, src=0)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
 
     def unwrap(self, model):
         return model  # fully_shard changes the model in place: there is no wrapper
@@ -272,6 +306,23 @@ class TorchFSDP(Strategy):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
         return state if self.env.is_main else None
+
+
+def load_on_rank0(name_or_path: str, env) -> nn.Module:
+    """The model as both FSDPs load it: rank 0 reads the weights (`from_pretrained`, fp32, on the
+    CPU: 27 GB for CodeLlama-7b), every other rank builds the same model on the meta device and
+    opens no weights file. A node then holds the weights once, not once per rank (4 x 27 GB).
+    `wrap` sends each rank its shards from rank 0's copy.
+
+    Reading 7B can outlast the process group's timeout (600 s), which the others would spend
+    inside wrap's first collective. So all wait for rank 0 here, on a CPU barrier with an hour's
+    timeout (`distributed.wait_for_rank0`)."""
+    from minidist.hf import models
+    from minidist.runtime.distributed import wait_for_rank0
+
+    model = models.load_model(name_or_path) if env.rank == 0 else models.build_on_meta(name_or_path)
+    wait_for_rank0()
+    return model
 
 
 def wrap_policy_classes(model: nn.Module) -> set[str]:

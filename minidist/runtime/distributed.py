@@ -30,6 +30,8 @@ Why a timeout: a collective such as ``all_reduce`` returns only when *every* ran
 it. If one rank crashes or takes another branch, the others wait. Without a timeout they wait
 forever and burn a GPU allocation; with one they fail with an error that names the
 collective. (For NCCL the timeout is enforced by PyTorch's watchdog thread, on by default.)
+A rank that waits for a peer that is slow but well (rank 0 reading a 7B model alone) waits
+elsewhere, on a barrier with a long timeout: `wait_for_rank0`.
 
 **Leaving cleanly.** A gloo process group runs its collectives on worker threads of its own.
 A worker that finishes a collective lets go of the work's tensors a moment later, and if it
@@ -77,6 +79,11 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 DEFAULT_TIMEOUT_S = 600.0
+# How long the other ranks wait while rank 0 alone reads the weights (`wait_for_rank0`). The
+# process group's 600 s are meant to catch a hung collective, not a slow disk: CodeLlama-7b is
+# 13.5 GB of files, read and cast to fp32 on one rank, which from a network filesystem or a cold
+# cache can take many minutes. An hour covers that, and still ends a job whose rank 0 died.
+LOAD_TIMEOUT_S = 3600.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so both launchers behave alike
 
 
@@ -287,6 +294,23 @@ def get_env() -> DistEnv:
     device, _ = device_and_backend(local_rank, None if dist.get_backend() == "nccl" else "cpu")
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank,
                    int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device, dist.get_backend())
+
+
+def wait_for_rank0(timeout_s: float = LOAD_TIMEOUT_S) -> None:
+    """Wait on every rank until rank 0 gets here too: a barrier on the CPU, with its own timeout.
+
+    FSDP reads the weights on rank 0 alone (`parallel/strategy.py`, `load_on_rank0`), and the other
+    ranks, which only built shapes, would wait for them inside the first collective that sends
+    them, under the process group's timeout. So every rank calls this first. The barrier runs on a
+    gloo group made for it with a timeout of `timeout_s` (an hour) and destroyed after: gloo,
+    whatever the training backend, because waiting needs no GPU (a NCCL group would set up a
+    communicator on every GPU for one call). Making the group is itself a rendezvous, and it too
+    waits under the new group's timeout. A world of one has nobody to wait for."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
 
 
 def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
