@@ -31,7 +31,8 @@ def load_and_report(model_dir, impl, strategy_name, slow_s=0.0):
             time.sleep(slow_s)
         return real_open(path, *args, **kwargs)
 
-    strategy = get_strategy(ParallelOptions(strategy_name, impl), env)
+    name, *offload = strategy_name.split("+")  # "fsdp+offload": with --cpu_offload
+    strategy = get_strategy(ParallelOptions(name, impl, cpu_offload=bool(offload)), env)
     _ = strategy.mesh  # its process groups, made by every rank before the clock starts
     # The ranks imported transformers at different speeds; under the test's short process-group
     # timeout they start together here, on a barrier with a timeout of its own (gloo only).

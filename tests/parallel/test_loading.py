@@ -29,6 +29,7 @@ CASES = [
     ("torch", "fsdp", "llama", 2, 1, True),
     ("minidist", "fsdp", "llama", 2, 1, True),
     ("torch", "fsdp", "gpt2", 2, 1, False),
+    ("torch", "fsdp+offload", "llama", 2, 1, False),  # rank 1's shards made on the host (--cpu_offload)
     ("torch", "hsdp", "llama", 4, 2, False),
 ]
 
