@@ -12,7 +12,9 @@
 # Expected outcome (estimated, NOT run: this script has not run on GPUs yet). Memory per GPU from
 # `python -m minidist.memory codellama/CodeLlama-7b-hf --world_size 4 --max_seq_length 512
 # --gpu_memory 80GB --batch_size_per_device B --gradient_accumulation_steps A [--strategy ddp]
-# [--gradient_checkpointing]`, with each run's own accumulation:
+# [--gradient_checkpointing]`, with each run's own accumulation. These are the figures of
+# PyTorch's FSDP2 and DDP (IMPL=torch; the estimator's default); the hand-written ones the default
+# run uses keep gradients differently through the accumulation: add `--impl minidist` to the command.
 #   default (FSDP, 4 x 512 tokens, 2 accumulation steps)  model states 27.0 GB, peak ~61.6 GB: fits
 #                                                          (FSDP2 keeps the full fp32 gradients, 27 GB,
 #                                                          through the accumulation; 35.2 GB without)

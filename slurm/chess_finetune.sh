@@ -44,8 +44,8 @@
 #   submitted as `SITE_SETUP=~/minidist-site.sh sbatch slurm/chess_finetune.sh` (slurm/site_setup.sh).
 # - GPU type: #SBATCH lines cannot read variables, so a GPU constraint is given at submission,
 #   with SLURM's own variable SBATCH_CONSTRAINT or `sbatch --constraint=...`. Without one the job
-#   may land on A100-40GB nodes, where 7B FSDP on 4 GPUs does not fit (about 62 GB a GPU with
-#   the 2 accumulation steps); many sites name the 80 GB ones with a feature such as `gpu80`, but
+#   may land on A100-40GB nodes, where this run does not fit (`python -m minidist.memory` puts it
+#   at 48-62 GB a GPU, by implementation, with the 2 accumulation steps); many sites name the 80 GB ones with a feature such as `gpu80`, but
 #   the name is site-specific (`sinfo -o "%N %f"` lists the features of each node). A feature no
 #   node has is refused by sbatch ("Invalid feature specification").
 # - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
