@@ -2,7 +2,8 @@
 this folder.
 
 - `distributed.py`: the process group from the environment torchrun sets (NCCL on GPUs, gloo on
-  CPU ranks), the rank's device, and the clean-up.
+  CPU ranks), the rank's device and CPU threads (offload's optimizer step on a GPU node gets its
+  share of the task's cores), the wait for rank 0's read of the weights, and the clean-up.
 - `launch.py`: N ranks started from a notebook or a test, as torchrun would (simulated nodes too),
   each rank's result or failure brought back.
 - `errors.py`: the one-line errors a learner meets, and exit status 2.
