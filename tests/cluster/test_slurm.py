@@ -172,6 +172,9 @@ def jobs(slurm_cluster, tiny_model, tmp_path_factory):
     # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
     jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=SMALL_JOB,
                 env={"SBATCH_CONSTRAINT": "gpu80"})
+    # And only the other node: a job that stops at once (3 sequences do not divide over 1 x 2).
+    jobs.submit("gpu40", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                env={"SBATCH_CONSTRAINT": "gpu40", "TOTAL_BATCH_SIZE": "3"})
     for script in LESSON_SCRIPTS:
         lesson = LESSONS.get(script.stem, {})
         jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=SMALL_JOB,
@@ -342,12 +345,14 @@ def test_a_model_cache_that_cannot_be_made_stops_the_job_with_one_line(jobs):
 
 def test_a_gpu_constraint_picks_the_nodes_that_have_it(jobs, slurm_cluster):
     """SBATCH_CONSTRAINT=gpu80 (what the script's header says to use for 80 GB GPUs): the job runs
-    on the one node with that feature, and says so; a feature no node has is refused by sbatch."""
-    [(record, log)] = jobs.wait("gpu80")
+    on the one node with that feature, and says so; one asking for gpu40 runs on the other node
+    (the two together are no accident of scheduling); a feature no node has is refused by sbatch."""
+    (record, log), (other, _) = jobs.wait("gpu80", "gpu40")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
-    gpu80 = [node for node, feature in slurm_cluster.features.items() if feature == "gpu80"]
-    assert record["Features"] == "gpu80" and record["NodeList"] == gpu80[0], record
-    assert list(node_lines(log)) == gpu80 and "GPU constraint: gpu80" in log and "step    1/1" in log, log
+    node_with = {feature: node for node, feature in slurm_cluster.features.items()}
+    assert record["Features"] == "gpu80" and record["NodeList"] == node_with["gpu80"], record
+    assert list(node_lines(log)) == [node_with["gpu80"]] and "GPU constraint: gpu80" in log and "step    1/1" in log, log
+    assert other["Features"] == "gpu40" and other["NodeList"] == node_with["gpu40"] != node_with["gpu80"], other
     with pytest.raises(subprocess.CalledProcessError) as refused:
         jobs.submit("gpu120", "chess_finetune.sh", options=SMALL_JOB, env={"SBATCH_CONSTRAINT": "gpu120"})
     assert "Invalid feature specification" in refused.value.stderr, refused.value.stderr
