@@ -28,11 +28,12 @@
 #
 # Expected: FSDP fits (about 27 GB of model state per GPU plus activations); --no_fsdp runs out
 # of GPU memory in its first step (16 bytes x 6.7e9 parameters = 108 GB > 80 GB). Host memory
-# while loading: with the hand-written FSDP only rank 0 reads the weights, the whole fp32 model,
-# about 27 GB (6.74e9 x 4 bytes), and scatters the shards; the other ranks build the model's
-# shapes on the meta device and receive their shards. With IMPL=torch every rank loads the whole
-# fp32 model before fully_shard shards it: about 4 x 27 = 108 GB of the node's RAM. --mem=0 asks
-# for all of it. The hand-written strategies have run on one GPU only (an H100, world size 1, a
+# while loading: both FSDPs read the weights on rank 0 only, the whole fp32 model, about 27 GB
+# (6.74e9 x 4 bytes); the other ranks build the model's shapes on the meta device, wait for rank
+# 0's read on a CPU barrier (an hour's timeout), and receive their shards: the hand-written FSDP
+# scatters them, FSDP2 (IMPL=torch) loads them from rank 0 through PyTorch's distributed
+# state-dict API. DDP (--no_fsdp) and ZeRO still load the model on every rank, 4 x 27 = 108 GB of
+# the node's RAM: --mem=0 asks for all of it. The hand-written strategies have run on one GPU only (an H100, world size 1, a
 # 0.8B model, on older code: lessons/reference/gpu.md); this script has not run on GPUs yet.
 #
 # On a real cluster (each of these is optional; the job's log shows what it got):
