@@ -265,13 +265,18 @@ def test_a_parameter_without_a_gradient_is_not_stepped(expected, world, cap, req
         same(got, want, world)
 
 
+def matches_the_plain_optimizer(expected, case: str, world: int, cap: str, request) -> None:
+    """Every rank's run of `case` (weights, states, losses) is the plain optimizer's on one process."""
+    want = expected[case]
+    for got in runs(case, world, cap, request):
+        same(got, want, world)
+
+
 @WORLDS
 def test_a_parameter_that_sits_out_steps_in_a_bucket_of_its_own_counts_only_its_own(expected, world, request):
     """The one thing a bucket's parameters share is a count per tensor, such as Adam's `step`:
     with a bucket per parameter (`bucket_cap_mb=0`) each has its own, as in `torch.optim`."""
-    want = expected["sitting_out"]
-    for got in runs("sitting_out", world, "a bucket per parameter", request):
-        same(got, want, world)
+    matches_the_plain_optimizer(expected, "sitting_out", world, "a bucket per parameter", request)
 
 
 @WORLDS
@@ -301,17 +306,13 @@ def test_add_param_group_shards_the_new_group(expected, world, cap, request):
 def test_step_takes_a_closure_and_keyword_arguments(expected, world, request):
     """`step(closure, **kwargs)`: the closure computes the loss and gradients, `step` returns its
     loss, and the keyword arguments reach the wrapped optimizer's `step`."""
-    want = expected["closure_and_keywords"]
-    for got in runs("closure_and_keywords", world, "small buckets", request):
-        same(got, want, world)
+    matches_the_plain_optimizer(expected, "closure_and_keywords", world, "small buckets", request)
 
 
 @WORLDS
 def test_zero_grad_without_set_to_none_zeroes_the_gradients(expected, world, request):
     """With `set_to_none=False` the gradients are zeroed in place; backward must not add to the last step's."""
-    want = expected["zero_grad_in_place"]
-    for got in runs("zero_grad_in_place", world, "small buckets", request):
-        same(got, want, world)
+    matches_the_plain_optimizer(expected, "zero_grad_in_place", world, "small buckets", request)
 
 
 @WORLDS
