@@ -112,7 +112,11 @@ def trace(source: str, setup: Setup, fake: bool = True) -> dict:
     fake_mode = FakeTensorMode() if fake else nullcontext()
     with warnings.catch_warnings(), _fake_world(setup.world_size if setup.strategy == "fsdp" else None) as mesh, fake_mode:
         warnings.filterwarnings("ignore", "`gradient_checkpointing_enable` is deprecated", FutureWarning)  # the loop's call
-        strategy = get_strategy(setup.options, SimpleNamespace(device=torch.device("cpu"), rank=0, is_main=True), mesh)
+        # This process is rank 0 of the fake world (`mesh`); every fake rank builds the same model
+        # from its config, so there is nothing to load from rank 0 (world_size 1: `TorchFSDP.wrap`
+        # skips its broadcast of rank 0's weights, which would need a real process group).
+        process = SimpleNamespace(device=torch.device("cpu"), rank=0, is_main=True, world_size=1)
+        strategy = get_strategy(setup.options, process, mesh)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 masters, as the loop loads
         model.train()
         if setup.options.gradient_checkpointing:
