@@ -168,15 +168,15 @@ def report(what: str, result: dict, args) -> str:
     peaks = result["peaks"]
     P, N = result["parameters"], args.world_size
     lines = [
-        f"{what.upper()} on {N} x {result['device']} ({result['backend']}): Llama of {P / 1e6:.1f}M parameters "
-        f"({args.num_layers} layers x {args.hidden_size}), batch {args.batch_size} x {args.seq_len} tokens per rank, "
-        f"{args.rounds} rounds x {args.steps} timed steps each",
+        (f"{what.upper()} on {N} x {result['device']} ({result['backend']}): Llama of {P / 1e6:.1f}M parameters "
+         f"({args.num_layers} layers x {args.hidden_size}), batch {args.batch_size} x {args.seq_len} tokens per rank, "
+         f"{args.rounds} rounds x {args.steps} timed steps each"),
         result["setup"],
         "sent per rank per step: " + EXPECTED_BYTES[what].format(two=8 * P * (N - 1) / N / 1e6,
                                                                   three=12 * P * (N - 1) / N / 1e6),
         "",
-        f"{'implementation':<34}{'median step':>12}{'tokens/s':>11}{'vs torch (rounds)':>24}{'peak':>11}"
-        f"{'vs torch':>9}{'sent/step':>12}",
+        (f"{'implementation':<34}{'median step':>12}{'tokens/s':>11}{'vs torch (rounds)':>24}{'peak':>11}"
+         f"{'vs torch':>9}{'sent/step':>12}"),
     ]
     for name, median in medians.items():
         sent = result["bytes_per_step"][name]

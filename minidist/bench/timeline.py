@@ -42,8 +42,6 @@ def profile(step, device: torch.device, trace: Path, png: Path, phases: tuple) -
     """Run `step` once under `torch.profiler` (CPU activities, and CUDA's on a GPU); write the
     Chrome trace to `trace` and its timeline to `png`. `phases` are the `record_function` names
     the step marks its parts with."""
-    from torch.profiler import ProfilerActivity, profile as profiler
-
     record(step, device, trace)
     draw(trace, png, phases)
 
@@ -51,7 +49,8 @@ def profile(step, device: torch.device, trace: Path, png: Path, phases: tuple) -
 def record(step, device: torch.device, trace: Path) -> Path:
     """Run `step` once under `torch.profiler` (CPU activities, and CUDA's on a GPU); write its
     Chrome trace to `trace`. Every thread is recorded: on the CPU, gloo's workers too."""
-    from torch.profiler import ProfilerActivity, profile as profiler
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profiler(activities=activities) as prof:
@@ -169,7 +168,7 @@ def cpu_lanes(trace: Path, phases: tuple = (), unit_prefix: str = "unit ") -> di
             kept.append((LANES[1], e))
         elif name.startswith("gloo:") and not on_main:
             kept.append((LANES[4], e))
-        elif on_main and (name.startswith("c10d::") or name.startswith("gather " + unit_prefix)):
+        elif on_main and name.startswith(("c10d::", "gather " + unit_prefix)):
             kept.append((LANES[3], e))
     kept += [(LANES[2], e) for e in _compute(sorted((e for e in ops if e["tid"] == main),
                                                     key=lambda e: (e["ts"], -e.get("dur", 0))))]
