@@ -12,12 +12,18 @@ bandwidth; the GPU check.
 
 - `strategies.py`: step time and whole-step peak memory of each implementation, turn by turn,
   as ratios to PyTorch's, with their spread over the rounds.
-- `collectives.py`: one collective per message size, as NVIDIA's nccl-tests time it.
+- `collectives.py`: one collective per message size, as NVIDIA's nccl-tests time it; and, in a world
+  of one, what a collective through NCCL itself costs beside the local copy `comm.py` makes.
 - `gpu.py`: the GPU check. At world size 1 over NCCL, all six setups (PyTorch's DDP and FSDP2,
   the hand-written DDP, ZeRO-1, ZeRO-2, FSDP) in bf16 with gradient accumulation 2, with and
-  without activation checkpointing, on a Llama of about 1B: step time, tokens/s, MFU, whole-step
-  peak memory against the estimate, and the step time against PyTorch's; CodeLlama-7b's shapes
-  with FSDP where the GPU has 120 GB. It writes `table.md` and a profiler trace of one FSDP step.
+  without activation checkpointing, on a Llama of about 1B at 16,384 tokens a step: step time,
+  tokens/s, MFU, allocated and reserved peak memory against the estimate, and the step time
+  against PyTorch's; CodeLlama-7b's shapes with FSDP; each row only where its estimate fits the
+  GPU. It writes `table.md`, a profiler trace of one FSDP step and its memory snapshot.
+- `gpu_report.py`: the GPU check's table and its goals.
+- `offload.py`: the GPU check's rows with and without `--cpu_offload`; `threads.py`: the CPU
+  threads they are timed on, those of a torchrun rank.
+- `snapshot.py`: the allocator's reserved peak, and one step's memory snapshot for pytorch.org/memory_viz.
 - `timeline.py`: one step under `torch.profiler`: its Chrome trace, and its timeline as a PNG.
 - `__main__.py`: the command.
 

@@ -12,13 +12,14 @@ from minidist.runtime.errors import ArgumentParser, fail
 # The least each flag can be (the flags a subcommand has): below it a run has nothing to time,
 # or never ends (a --factor of 1 never reaches --max_bytes).
 AT_LEAST = {"world_size": 1, "hidden_size": 1, "num_layers": 1, "batch_size": 1, "seq_len": 2, "warmup": 0,
-            "steps": 1, "rounds": 1, "iters": 1, "factor": 2, "min_bytes": 4}
+            "steps": 1, "rounds": 1, "iters": 1, "factor": 2, "min_bytes": 4, "ranks_per_node": 1}
 
 
 def check(parser, args) -> None:
     """Sizes that cannot be timed, told in one line before any rank starts."""
     for name, least in AT_LEAST.items():
-        if getattr(args, name, least) < least:
+        value = getattr(args, name, least)
+        if value is not None and value < least:  # None: a default decided later (--ranks_per_node)
             parser.error(f"--{name} must be at least {least}")
     if getattr(args, "bucket_cap_mb", 1) <= 0:
         parser.error("--bucket_cap_mb must be more than 0")
@@ -53,7 +54,11 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed calls per size")
     p = commands.add_parser("gpu", help="every strategy on one GPU: step time, MFU, peak memory against the estimate")
     p.add_argument("--smoke", action="store_true", help="the same code on the CPU with tiny sizes (a check of the command)")
-    p.add_argument("--out", default="runs/bench_gpu", help="folder for table.md, the profiler trace and its timeline")
+    p.add_argument("--out", default="runs/bench_gpu",
+                   help="folder for table.md, the profiler trace, its timeline and the memory snapshot")
+    p.add_argument("--ranks_per_node", type=int, default=None,
+                   help="the torchrun job (--nproc_per_node) whose CPU threads the offload rows are timed on "
+                        "(default: the GPUs this node shows)")
     args = parser.parse_args(argv)
     check(parser, args)
     if args.what == "gpu":

@@ -42,9 +42,9 @@ def time_collective(op: str, sizes: list[int], warmup: int = 5, iters: int = 20)
         numel = max(n, size // 4 // n * n)  # whole fp32 elements, N equal shards
         full = torch.zeros(numel, device=env.device)  # zeros: the sums stay finite however often we add
         shard = torch.zeros(numel // n, device=env.device)
-        run = {"all_reduce": lambda: comm.all_reduce(full),
-               "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
-               "all_gather": lambda: comm.all_gather(full, shard)}[op]
+        run = {"all_reduce": lambda full=full: comm.all_reduce(full),
+               "reduce_scatter": lambda full=full, shard=shard: comm.reduce_scatter(shard, full),
+               "all_gather": lambda full=full, shard=shard: comm.all_gather(full, shard)}[op]
         for _ in range(warmup):  # the first calls set up connections and buffers
             run()
         _synchronize(env.device)
@@ -63,6 +63,35 @@ def time_collective(op: str, sizes: list[int], warmup: int = 5, iters: int = 20)
     return rows
 
 
+def world_of_one(numel: int, dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20) -> dict:
+    """Seconds per call, in a world of one rank, of an all-gather and a reduce-scatter of `numel`
+    elements (one FSDP unit's worth), and of the local copy that stands in for them.
+
+    At world size 1 `comm.py` never calls the backend: a collective with no peer is a copy. So
+    the GPU check's rows are blind to NCCL. Called on `dist` itself, NCCL with one rank still
+    launches its kernel on its own stream, and this says what that costs beside the copy. What it
+    cannot say is anything about the network: with no peer nothing crosses NVLink or InfiniBand,
+    and no rank waits for a slower one. That takes several GPUs (`torchrun --nproc_per_node N -m
+    minidist.bench allreduce`)."""
+    env = get_env()
+    full = torch.zeros(numel, dtype=dtype, device=env.device)
+    shard = torch.zeros_like(full)  # one rank: the shard is the whole
+    calls = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+             "copy": lambda: full.copy_(shard)}
+    seconds = {}
+    for name, call in calls.items():
+        for _ in range(warmup):  # NCCL sets up its communicator on the first call
+            call()
+        _synchronize(env.device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        _synchronize(env.device)
+        seconds[name] = (time.perf_counter() - start) / iters
+    return {"bytes": full.numel() * full.element_size(), "backend": env.backend, **seconds}
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -70,8 +99,8 @@ def _synchronize(device: torch.device) -> None:
 
 def bandwidth_table(op: str, rows: list[dict], world_size: int, device_type: str, backend: str) -> str:
     """nccl-tests' columns: size, time, algbw, busbw; GB/s are 1e9 bytes per second, as theirs."""
-    lines = [f"{op} on {world_size} x {device_type} ({backend}), fp32, busbw = algbw x "
-             f"{'2(N-1)/N' if op == 'all_reduce' else '(N-1)/N'} = algbw x {BUS_FACTOR[op](world_size):.3f}",
+    lines = [(f"{op} on {world_size} x {device_type} ({backend}), fp32, busbw = algbw x "
+              f"{'2(N-1)/N' if op == 'all_reduce' else '(N-1)/N'} = algbw x {BUS_FACTOR[op](world_size):.3f}"),
              f"{'size (B)':>12}{'time (us)':>12}{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}{'sent/rank (B)':>15}"]
     for r in rows:
         lines.append(f"{r['bytes']:>12,}{r['time_s'] * 1e6:>12.1f}{r['algbw'] / 1e9:>14.3f}{r['busbw'] / 1e9:>14.3f}"
@@ -94,7 +123,8 @@ def bandwidth_main(args) -> None:
         finally:
             cleanup()
         return
-    from minidist.bench.collectives import time_collective as worker  # by module name: spawned ranks import it
+    # by module name: spawned ranks import it
+    from minidist.bench.collectives import time_collective as worker
     from minidist.runtime.launch import launch
 
     rows = launch(worker, args.world_size, args.op, sizes, args.warmup, args.iters)[0]

@@ -5,39 +5,53 @@
 
 CPU runs are blind to what a GPU punishes: a kernel launched per parameter, a copy that waits on
 the host, a buffer kept one step too long. This command runs what needs a GPU, once, on a world
-of one rank: a collective has no peer to wait for, so what is left is the CUDA path itself (NCCL,
-bf16, the allocator), the wrapper's own overhead, and its memory. Each of the six setups
-(PyTorch's DDP, the hand-written DDP, ZeRO-1, ZeRO-2 and FSDP, PyTorch's FSDP2), with and
-without activation checkpointing, is built as `finetune.py` builds it (`load_model`,
-`checkpoint_activations`, `wrap`, `build_optimizer`) on a Llama with random weights, and runs the
-loop's own step: `step.train_step` over two micro-batches of random tokens (gradient
-accumulation 2, the first under `no_sync`), `clip_grad_norm_`, the optimizer step. Each row says:
+of one rank. Each of the six setups (PyTorch's DDP, the hand-written DDP, ZeRO-1, ZeRO-2 and
+FSDP, PyTorch's FSDP2), with and without activation checkpointing, is built as `finetune.py`
+builds it (`load_model`, `checkpoint_activations`, `wrap`, `build_optimizer`) on a Llama of
+1.01B parameters with random weights, and runs the loop's own step: `step.train_step` over two
+micro-batches of 16 x 512 random tokens (gradient accumulation 2, the first under `no_sync`:
+16,384 tokens per step, enough work to fill an H100 so that its MFU is worth quoting),
+`clip_grad_norm_`, the optimizer step. Each row says:
 
 - the step time: the median of a few steps after warm-up, with the fastest and slowest, and
   tokens/s. Each setup runs alone, everything of the last one freed first, so its peak is its
-  own; the setups do not take turns as in `strategies.py`: two 1B models with their optimizer
-  states would not fit on one GPU together.
-- MFU: the model's training FLOPs per second (`metrics.flops_per_token`; recomputation is not
-  useful work) over the GPU's bf16 peak; blank where the peak is unknown, as on the CPU.
-- the whole step's peak memory (`memory.measure.step_peak`: the allocator's counter on a GPU,
-  `LiveTensors` on the CPU) as a ratio to `memory.estimator`'s estimate of the same setup.
-  Neither counts the CUDA context or NCCL's own buffers, so the ratio should be near 1.
+  own; two 1B models with their optimizer states would not fit on one GPU together.
+- MFU: the model's training FLOPs per second (`metrics.flops_per_token`: 6P per token, plus
+  12 x layers x hidden x sequence for attention; recomputation is not useful work) over the GPU's
+  bf16 dense peak (989 TFLOP/s for the H100 SXM by NVIDIA's datasheet, the same for the H200);
+  blank where the peak is unknown, as on the CPU.
+- the whole step's peak memory (`memory.measure.step_peak`: `max_memory_allocated` on a GPU,
+  `LiveTensors` on the CPU) as a ratio to `memory.estimator`'s estimate of the same setup, and
+  beside it `max_memory_reserved`, what the caching allocator took from the GPU (`snapshot.py`).
+  Neither counts the CUDA context or NCCL's own buffers.
 - the step time as a ratio to PyTorch's: DDP, ZeRO-1 and ZeRO-2 by hand to PyTorch's DDP, FSDP
   by hand to FSDP2, with the same checkpointing.
 
-A second table (`offload.py`) sets ZeRO-2 and FSDP by hand with `--cpu_offload` beside
-themselves without it: step time, the device's peak, the estimate's device and host columns.
+**A row runs where its estimate fits** (`skip_reason`): the estimate of its setup, plus a reserve
+of 5 GB for what the estimate leaves out (the CUDA context, NCCL, fragmentation; the same room
+`python -m minidist.memory --gpu_memory 80GB` leaves an A100 of 85.1e9 bytes), must be at most the
+GPU's memory. A row that does not says so, with both figures. So CodeLlama-7b's real shapes (the
+bundled config, random weights made on the GPU, nothing downloaded; FSDP, checkpointing, batch
+1 x 512, about 135 GB by the estimate) run on an H200 and are skipped on an H100.
 
-On a GPU with at least 120 GB it also times CodeLlama-7b's real shapes (the bundled config,
-random weights made on the GPU, nothing downloaded) with FSDP, checkpointing, batch 1 x 512: 16
-bytes per parameter are about 108 GB. It saves a `torch.profiler` trace of one minidist FSDP step
-(open the JSON in chrome://tracing or Perfetto), its timeline as a PNG (`timeline.py`, for
-lesson 05), and the table as markdown (`table.md`), under `--out`.
+**Blind to NCCL.** At world size 1 the hand-written strategies' collectives are local copies and
+PyTorch's go to NCCL with no peer: no row includes communication. One line times an all-gather
+and a reduce-scatter of one decoder layer's bf16 weights through NCCL itself in the world of one
+(`collectives.world_of_one`): its kernel launch, nothing on a wire. Overlap, bandwidth and
+waiting for a slower rank need several GPUs.
+
+A second table (`offload.py`) sets ZeRO-2 and FSDP by hand with `--cpu_offload` beside themselves
+without it, timed on the CPU threads a torchrun rank would have (`threads.py`). The goals
+(`gpu_report.py`) close the output. Under `--out` it saves the table (`table.md`), a
+`torch.profiler` trace of one hand-written FSDP step (open the JSON in chrome://tracing or
+Perfetto) with its timeline as a PNG (`timeline.py`, for lesson 05), and, on a GPU, the same
+step's memory snapshot for https://pytorch.org/memory_viz (`snapshot.py`).
 """
 
 import dataclasses
 import datetime
 import gc
+import os
 import platform
 import statistics
 import tempfile
@@ -47,20 +61,36 @@ from pathlib import Path
 
 import torch
 
-from minidist.bench import offload, timeline
+from minidist.bench import gpu_report, offload, snapshot, timeline
 from minidist.bench.strategies import time_steps
 
 SETUPS = [("torch", "ddp"), ("minidist", "ddp"), ("minidist", "zero1"), ("minidist", "zero2"),
           ("minidist", "fsdp"), ("torch", "fsdp")]
-REFERENCE = {"ddp": ("torch", "ddp"), "zero1": ("torch", "ddp"), "zero2": ("torch", "ddp"), "fsdp": ("torch", "fsdp")}
 ACCUMULATION = 2  # micro-batches per step: the first accumulates under no_sync, the last communicates
-# hidden 2048 x 20 layers: 1.01B parameters over the chess vocabulary; 16 bytes each (fp32 masters
-# and AdamW) is 16 GB, so the activations of 8 x 512 tokens and DDP's buckets fit in 80 GB too.
-SIZES = {"gpu": dict(hidden_size=2048, num_layers=20, num_heads=16, batch=8, seq=512, warmup=3, steps=10),
-         "smoke": dict(hidden_size=64, num_layers=2, num_heads=2, batch=2, seq=32, warmup=1, steps=3)}
+# hidden 2048 x 20 layers: 1.01B parameters over the chess vocabulary. 16 x 512 tokens per micro-batch
+# is 16,384 per step; the hungriest setup (DDP without checkpointing) is 41 GB by the estimate.
+SIZES = {"gpu": {"hidden_size": 2048, "num_layers": 20, "num_heads": 16, "batch": 16, "seq": 512, "warmup": 3,
+                "steps": 10},
+         "smoke": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "batch": 2, "seq": 32, "warmup": 1, "steps": 3}}
 CODELLAMA = Path(__file__).resolve().parent.parent / "hf" / "configs" / "codellama-7b"
-BIG_GPU = 120e9  # bytes: CodeLlama-7b with FSDP on one GPU needs about 108 GB of model states alone
+RESERVE = 5e9  # bytes the estimate does not count: CUDA context, NCCL's buffers, the allocator's fragmentation
 PHASES = (f"forward + backward ({ACCUMULATION} micro-batches)", "clip_grad_norm_", "optimizer step")
+TRACED = ("minidist", "fsdp", False)  # the setup whose step is profiled and snapshotted
+SNAPSHOT = "memory_snapshot_minidist_fsdp.pickle"
+
+
+def skip_reason(estimate: float, gpu_memory: int | None) -> str | None:
+    """Why a row whose setup is estimated at `estimate` bytes cannot run on a GPU of `gpu_memory`
+    bytes (None: it can). No GPU, no gate: the smoke run's tiny rows always run."""
+    if gpu_memory is None or estimate + RESERVE <= gpu_memory:
+        return None
+    return (f"skipped: estimate {estimate / 1e9:.1f} GB + {RESERVE / 1e9:.0f} GB reserve > "
+            f"GPU {gpu_memory / 1e9:.1f} GB")
+
+
+def gpu_memory(device: torch.device) -> int | None:
+    """The GPU's memory in bytes, as the driver reports it; None on the CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def build(impl: str, strategy_name: str, checkpointing: bool, source: str, env):
@@ -97,43 +127,64 @@ def random_batches(vocab_size: int, batch: int, seq: int, device, seed: int = 0)
     return batches
 
 
-def run_setup(impl, strategy_name, checkpointing, source, sizes, env, shape, profile_to=None) -> dict:
-    """Build one setup, time it, measure its peak, and, if asked, profile one step into `profile_to`."""
-    from minidist.step import train_step
+def estimate(impl, strategy_name, checkpointing, sizes, env, shape) -> float:
+    """The estimated peak of one setup, as `python -m minidist.memory` prints it for the same flags."""
     from minidist.memory import estimator
+
+    setup = estimator.setup(strategy=strategy_name, impl=impl, gradient_checkpointing=checkpointing, world_size=1,
+                            batch_size_per_device=sizes["batch"], max_seq_length=sizes["seq"], padded=False,
+                            gradient_accumulation_steps=ACCUMULATION,
+                            backend="nccl" if env.device.type == "cuda" else "gloo")
+    return estimator.estimate(shape, setup)["peak"]
+
+
+def run_setup(impl, strategy_name, checkpointing, source, sizes, env, shape, profile_to=None) -> dict:
+    """One row: its estimate, then, where that fits the GPU, the setup built and timed, its peaks
+    measured, and, if asked, one step profiled and snapshotted into the folder `profile_to`."""
+    row = {"model": shape.name, "impl": impl, "strategy": strategy_name, "checkpointing": checkpointing,
+           "estimate": estimate(impl, strategy_name, checkpointing, sizes, env, shape)}
+    reason = skip_reason(row["estimate"], gpu_memory(env.device))
+    if reason:
+        print(f"{gpu_report.label(row)}: {reason}", flush=True)
+        return {**row, "error": reason}
+    try:
+        measured = measure(impl, strategy_name, checkpointing, source, sizes, env, shape, profile_to)
+    except torch.OutOfMemoryError:  # a row that says so, and the other setups still run
+        return {**row, "error": "out of memory"}
+    return {**row, **measured}
+
+
+def measure(impl, strategy_name, checkpointing, source, sizes, env, shape, profile_to=None) -> dict:
+    """Build one setup and time it (`run_setup`): its step times, tokens/s, MFU and peaks."""
+    # record_function names the phases in the trace; nearly free otherwise
+    from torch.profiler import record_function
+
     from minidist.memory.measure import step_peak
     from minidist.runtime.metrics import flops_per_token, peak_flops
-    from torch.profiler import record_function  # names the phases in the trace; nearly free otherwise
+    from minidist.step import train_step
 
     batch, seq = sizes["batch"], sizes["seq"]
-    row = {"model": shape.name, "impl": impl, "strategy": strategy_name, "checkpointing": checkpointing}
-    setup = estimator.setup(strategy=strategy_name, impl=impl, gradient_checkpointing=checkpointing, world_size=1,
-                            batch_size_per_device=batch, max_seq_length=seq, padded=False,
-                            gradient_accumulation_steps=ACCUMULATION, backend="nccl" if env.device.type == "cuda" else "gloo")
-    row["estimate"] = estimator.estimate(shape, setup)["peak"]
-    try:
-        strategy, model, optimizer = build(impl, strategy_name, checkpointing, source, env)
-        batches = random_batches(shape.vocab_size, batch, seq, env.device)
-        num_targets = ACCUMULATION * batch * (seq - 1)
+    strategy, model, optimizer = build(impl, strategy_name, checkpointing, source, env)
+    batches = random_batches(shape.vocab_size, batch, seq, env.device)
+    num_targets = ACCUMULATION * batch * (seq - 1)
 
-        def step():
-            with record_function(PHASES[0]):  # the loop's own step (step.py), world size 1
-                train_step(model, strategy, batches, num_targets, world_size=1)
-            with record_function(PHASES[1]):
-                strategy.clip_grad_norm_(model, 1.0)
-            with record_function(PHASES[2]):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+    def step():
+        with record_function(PHASES[0]):  # the loop's own step (step.py), world size 1
+            train_step(model, strategy, batches, num_targets, world_size=1)
+        with record_function(PHASES[1]):
+            strategy.clip_grad_norm_(model, 1.0)
+        with record_function(PHASES[2]):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-        time_steps(step, sizes["warmup"])  # the first steps allocate states, buckets and caches
-        row["times"] = time_steps(step, sizes["steps"])
-        row["peak"] = step_peak(step, model, optimizer, env.device)
-        if profile_to:
-            timeline.profile(step, env.device, profile_to / "trace_minidist_fsdp.json",
-                             profile_to / "timeline_minidist_fsdp.png", PHASES)  # lesson 05's picture
-    except torch.OutOfMemoryError:  # a row that says so, and the other setups still run
-        row["error"] = "out of memory"
-        return row
+    time_steps(step, sizes["warmup"])  # the first steps allocate states, buckets and caches
+    row = {"times": time_steps(step, sizes["steps"])}
+    row["peak"] = step_peak(step, model, optimizer, env.device)  # resets the allocator's peaks first
+    row["reserved"] = snapshot.reserved_peak(env.device)  # so this is the same step's
+    if profile_to:
+        timeline.profile(step, env.device, profile_to / "trace_minidist_fsdp.json",
+                         profile_to / "timeline_minidist_fsdp.png", PHASES)  # lesson 05's picture
+        row["snapshot"] = snapshot.record_step(step, env.device, profile_to / SNAPSHOT)
     row["tokens_per_s"] = ACCUMULATION * batch * seq / statistics.median(row["times"])
     peak = peak_flops(env.device)
     per_token = flops_per_token(shape.num_params, shape.num_layers, shape.hidden_size, seq)
@@ -148,57 +199,74 @@ def free(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def table(rows: list[dict]) -> str:
-    """The rows as one markdown table (printed, and written to table.md)."""
-    unit, scale = ("GB", 1e9) if max(r.get("peak", r["estimate"]) for r in rows) > 1e9 else ("MB", 1e6)
-    medians = {(r["model"], r["impl"], r["strategy"], r["checkpointing"]): statistics.median(r["times"])
-               for r in rows if "times" in r}
-    lines = [f"| model | setup | checkpointing | step (median, min-max) | tokens/s | MFU | peak ({unit}) "
-             f"| estimate ({unit}) | peak / estimate | step / torch's |", "|" + " --- |" * 10]
-    for r in rows:
-        start = f"| {r['model']} | {r['impl']}/{r['strategy']} | {'on' if r['checkpointing'] else 'off'} |"
-        if "error" in r:
-            lines.append(f"{start} {r['error']} | | | | {r['estimate'] / scale:.2f} | | |")
-            continue
-        median, reference = statistics.median(r["times"]), REFERENCE[r["strategy"]]
-        ref = medians.get((r["model"], *reference, r["checkpointing"]))  # its reference with the same checkpointing
-        versus = "reference" if reference == (r["impl"], r["strategy"]) else f"{median / ref:.2f}x" if ref else "-"
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else ""
-        lines.append(f"{start} {median * 1e3:.1f} ms ({min(r['times']) * 1e3:.1f}-{max(r['times']) * 1e3:.1f}) "
-                     f"| {r['tokens_per_s']:,.0f} | {mfu} | {r['peak'] / scale:.2f} | {r['estimate'] / scale:.2f} "
-                     f"| {r['peak'] / r['estimate']:.2f}x | {versus} |")
-    return "\n".join(lines)
-
-
 def codellama(env, sizes, started: float, budget_s: float = 360.0) -> tuple[list[dict], str]:
-    """CodeLlama-7b's shapes with FSDP at world size 1, where a GPU can hold them; else why not."""
+    """CodeLlama-7b's shapes with FSDP at world size 1, by hand then PyTorch's, each where its
+    estimate fits the GPU (`run_setup`'s gate); on the CPU, its estimate only."""
     from minidist.memory import estimator
 
     shape = dataclasses.replace(estimator.model_shape(str(CODELLAMA)), name="CodeLlama-7b")
-    if env.device.type != "cuda":
-        return [], "CodeLlama-7b: skipped (a smoke run on the CPU; it runs on a GPU with at least 120 GB)"
-    total = torch.cuda.get_device_properties(env.device).total_memory
-    setup = estimator.setup(strategy="fsdp", impl="minidist", gradient_checkpointing=True, max_seq_length=512)
-    need = estimator.estimate(shape, setup)["peak"]
-    if total < BIG_GPU:
-        return [], (f"CodeLlama-7b: skipped (this GPU has {total / 1e9:.0f} GB; FSDP at world size 1 needs "
-                    f"about {need / 1e9:.0f} GB by the estimate, so the check asks for at least {BIG_GPU / 1e9:.0f} GB)")
     big = dict(sizes, batch=1, seq=512, warmup=1, steps=3)
+    what = f"CodeLlama-7b ({shape.num_params / 1e9:.2f}B): FSDP at world size 1, batch 1 x 512, checkpointing"
+    if env.device.type != "cuda":
+        need = estimate("minidist", "fsdp", True, big, env, shape)
+        return [], (f"{what}: not run (a smoke run on the CPU); estimate {need / 1e9:.1f} GB, so it runs on a GPU "
+                    f"of at least {(need + RESERVE) / 1e9:.1f} GB")
     rows = []
     for impl in ("minidist", "torch"):  # PyTorch's too, if the 8 minutes allow
         if impl == "torch" and time.perf_counter() - started > budget_s:
-            return rows, "CodeLlama-7b: torch/fsdp skipped (out of time)"
+            return rows, f"{what}: torch/fsdp not run (out of time)"
+        print(f"{impl}/fsdp, CodeLlama-7b ...", flush=True)
         rows.append(run_setup(impl, "fsdp", True, str(CODELLAMA), big, env, shape))
         free(env.device)
-    return rows, f"CodeLlama-7b ({shape.num_params / 1e9:.2f}B): FSDP at world size 1, batch 1 x 512, checkpointing"
+    return rows, what
+
+
+def nccl_line(shape, env) -> str:
+    """What one collective through the backend itself costs at world size 1 (`world_of_one`),
+    one decoder layer's weights in bf16, beside the local copy the rows made instead."""
+    from minidist.bench.collectives import world_of_one
+
+    t = world_of_one(shape.layer_params)
+    return (f"{t['backend']} at world size 1, one decoder layer ({t['bytes'] / 1e6:.1f} MB bf16): all_gather "
+            f"{t['all_gather'] * 1e6:.0f} us, reduce_scatter {t['reduce_scatter'] * 1e6:.0f} us, the local copy "
+            f"the rows make instead {t['copy'] * 1e6:.0f} us. With no peer nothing crosses a link and no rank waits "
+            f"for another: bandwidth, overlap and stragglers need several GPUs (torchrun --nproc_per_node N -m "
+            f"minidist.bench allreduce).")
+
+
+def llama_rows(path, sizes, env, shape, out) -> list[dict]:
+    """The six setups with and without checkpointing, one at a time, on the Llama of `path`."""
+    rows = []
+    for checkpointing in (False, True):
+        for impl, strategy_name in SETUPS:
+            traced = (impl, strategy_name, checkpointing) == TRACED
+            print(f"{impl}/{strategy_name}, checkpointing {'on' if checkpointing else 'off'} ...", flush=True)
+            rows.append(run_setup(impl, strategy_name, checkpointing, path, sizes, env, shape,
+                                  profile_to=out if traced else None))
+            free(env.device)
+    return rows
+
+
+def header(args, env, sizes, shape) -> str:
+    device = (torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else
+              f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    memory = gpu_memory(env.device)
+    return (f"GPU check{' (--smoke: on the CPU, tiny sizes)' if args.smoke else ''}: {device}"
+            f"{f', {memory / 1e9:.1f} GB' if memory else ''} | torch {torch.__version__} | "
+            f"{datetime.datetime.now():%Y-%m-%d %H:%M}\n"
+            f"world size 1, {env.backend} on {env.device} | {shape.name} ({shape.num_layers} layers x "
+            f"{shape.hidden_size}, random weights) | batch {sizes['batch']} x {sizes['seq']} tokens x "
+            f"{ACCUMULATION} micro-batches = {sizes['batch'] * sizes['seq'] * ACCUMULATION:,} tokens per step | bf16 | "
+            f"{sizes['warmup']} warm-up + {sizes['steps']} timed steps per setup\n")
 
 
 def main(args) -> None:
     """Run the check; `__main__.py` has already made sure there is a GPU or `--smoke` was asked."""
-    from minidist.hf import models
-    from minidist.runtime.distributed import cleanup, init_distributed
-    from minidist.memory import estimator
     from transformers.utils import logging as hf_logging
+
+    from minidist.hf import models
+    from minidist.memory import estimator
+    from minidist.runtime.distributed import cleanup, init_distributed
 
     started = time.perf_counter()
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # comm.py's names
@@ -206,37 +274,28 @@ def main(args) -> None:
     sizes = SIZES["smoke" if args.smoke else "gpu"]
     out = Path(args.out)
     env = init_distributed(device_type="cpu" if args.smoke else "cuda")  # gloo on the CPU, NCCL on cuda:0
+    ranks_per_node = args.ranks_per_node or (torch.cuda.device_count() if env.device.type == "cuda" else 1)
     try:
-        device_name = (torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else
-                       f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
         with tempfile.TemporaryDirectory(prefix="minidist-gpu-check-") as folder:
             path = str(models.write_tiny_llama(folder, hidden_size=sizes["hidden_size"], num_layers=sizes["num_layers"],
                                                num_heads=sizes["num_heads"]))
             shape = estimator.model_shape(path)
             size = f"{shape.num_params / 1e9:.2f}B" if shape.num_params >= 1e9 else f"{shape.num_params / 1e6:.1f}M"
             shape = dataclasses.replace(shape, name=f"Llama {size}")
-            print(f"GPU check{' (--smoke: on the CPU, tiny sizes)' if args.smoke else ''}: {device_name} | "
-                  f"torch {torch.__version__} | {datetime.datetime.now():%Y-%m-%d %H:%M}\n"
-                  f"world size 1, {env.backend} on {env.device} | {shape.name} ({shape.num_layers} layers x "
-                  f"{shape.hidden_size}, random weights) | batch {sizes['batch']} x {sizes['seq']} tokens x "
-                  f"{ACCUMULATION} micro-batches per step | bf16 | {sizes['warmup']} warm-up + {sizes['steps']} "
-                  f"timed steps per setup\n", flush=True)
-            rows = []
-            for checkpointing in (False, True):
-                for impl, strategy_name in SETUPS:
-                    traced = (impl, strategy_name, checkpointing) == ("minidist", "fsdp", False)
-                    print(f"{impl}/{strategy_name}, checkpointing {'on' if checkpointing else 'off'} ...", flush=True)
-                    rows.append(run_setup(impl, strategy_name, checkpointing, path, sizes, env, shape,
-                                          profile_to=out if traced else None))
-                    free(env.device)
+            print(header(args, env, sizes, shape), flush=True)
+            rows = llama_rows(path, sizes, env, shape, out)
             print("with and without --cpu_offload ...", flush=True)  # bench/offload.py: ZeRO-Offload's price
             offloaded = offload.compare(path, sizes, env, shape, random_batches(shape.vocab_size, sizes["batch"],
-                                                                               sizes["seq"], env.device), ACCUMULATION)
+                                        sizes["seq"], env.device), ACCUMULATION, ranks_per_node, os.environ)
         big_rows, note = codellama(env, sizes, started)
-        text = table(rows + big_rows) + "\n\n" + offloaded
-        print(text + "\n\n" + note)
+        text = "\n\n".join([gpu_report.table(rows + big_rows), note, offloaded, nccl_line(shape, env),
+                            "Goals:\n" + "\n".join(gpu_report.goals(rows + big_rows, shape.name))])
+        print(text)
         (out / "table.md").write_text(text + "\n")
-        print(f"\nwrote {out / 'table.md'}, {out / 'trace_minidist_fsdp.json'} and {out / 'timeline_minidist_fsdp.png'}"
-              f" in {time.perf_counter() - started:.0f} s")
+        written = [out / name for name in ("table.md", "trace_minidist_fsdp.json", "timeline_minidist_fsdp.png")]
+        snapped = next((r["snapshot"] for r in rows if r.get("snapshot")), None)
+        print(f"\nwrote {', '.join(map(str, written))} in {time.perf_counter() - started:.0f} s")
+        print(f"memory snapshot of one minidist/fsdp step: {snapped}, open at {snapshot.VIEWER}" if snapped else
+              "memory snapshot: none (the CUDA allocator records it; there is none on the CPU)")
     finally:
         cleanup()

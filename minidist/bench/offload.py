@@ -7,14 +7,22 @@ pinned host memory does not enter), on the CPU the device side of `memory/sides.
 Beside them the estimate's device and host columns (`memory/offload_split.py`). What to expect
 on a GPU: the device peak falls by the 12 bytes per parameter of masters and moments (ZeRO-2: of
 its shard), and the step grows by the CPU's AdamW and the PCIe copies (`parallel/offload.py`).
+
+Each row is timed on the CPU threads one rank of a torchrun job on this node would have
+(`threads.job_threads`): with offload, the rank's share of the cores (`use_cores_for_offload`);
+without, torchrun's OMP_NUM_THREADS=1 where it sets it. An offloaded row whose count differs from
+this process's is timed on all of this process's threads too, so the difference shows.
 """
 
 import statistics
 
 import torch
 
+from minidist.bench import threads as cpu_threads
 from minidist.bench.strategies import time_steps
-from minidist.memory.sides import SplitLiveTensors  # imported before any wrapping: it sees host tensors placed
+
+# imported before any wrapping: it sees host tensors placed
+from minidist.memory.sides import SplitLiveTensors
 
 STRATEGIES = ("zero2", "fsdp")
 
@@ -40,9 +48,12 @@ def _device_peak(step, model, optimizer, device) -> int:
     return live.device_peak
 
 
-def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumulation) -> dict:
-    from minidist.step import train_step
+def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumulation, threads: int,
+        all_threads: int) -> dict:
+    """One row: the setup timed on `threads` CPU threads (and, offloaded, on `all_threads` too
+    where that differs), its device peak, and the estimate's device and host bytes."""
     from minidist.memory import estimator
+    from minidist.step import train_step
 
     strategy, model, optimizer = _build(strategy_name, cpu_offload, source, env)
     num_targets = accumulation * sizes["batch"] * (sizes["seq"] - 1)
@@ -53,36 +64,63 @@ def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumula
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    time_steps(step, sizes["warmup"])
-    times = time_steps(step, sizes["steps"])
+    with cpu_threads.using(threads):  # as the job's rank would run it
+        time_steps(step, sizes["warmup"])
+        times = time_steps(step, sizes["steps"])
+    on_all = None
+    if cpu_offload and all_threads != threads:
+        with cpu_threads.using(all_threads):
+            on_all = statistics.median(time_steps(step, sizes["steps"]))
     setup = estimator.setup(strategy=strategy_name, impl="minidist", world_size=1, cpu_offload=True,
                             batch_size_per_device=sizes["batch"], max_seq_length=sizes["seq"], padded=False,
                             gradient_accumulation_steps=accumulation,
                             backend="nccl" if env.device.type == "cuda" else "gloo")
     estimate = estimator.estimate(shape, setup)
     return {"strategy": strategy_name, "offload": cpu_offload, "median": statistics.median(times),
+            "threads": threads, "on_all_threads": on_all,
             "device_peak": _device_peak(step, model, optimizer, env.device),
             "estimate_device": estimate["device"] if cpu_offload else None, "estimate_host": estimate["host"]}
 
 
-def compare(source, sizes, env, shape, batches, accumulation) -> str:
-    """The markdown table of the offload rows (each setup alone, freed before the next)."""
+def compare(source, sizes, env, shape, batches, accumulation, ranks_per_node: int, environ) -> str:
+    """The markdown table of the offload rows (each setup alone, freed before the next), after a
+    line saying which thread counts a torchrun rank of `ranks_per_node` per node would have."""
     import gc
 
+    from minidist.runtime.distributed import _usable_cores
+
+    all_threads = torch.get_num_threads()  # this process's: PyTorch's default, or init_distributed's share
+    decided = {cpu_offload: cpu_threads.job_threads(environ, _usable_cores(), all_threads, ranks_per_node, cpu_offload)
+               for cpu_offload in (False, True)}
     rows = []
     for strategy_name in STRATEGIES:
         for cpu_offload in (False, True):
-            rows.append(run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumulation))
+            rows.append(run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumulation,
+                            decided[cpu_offload][0], all_threads))
             gc.collect()
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(env.device)
-    lines = ["| setup | --cpu_offload | step (median) | step / no offload | device peak (MB) | estimate: device, host (MB) |",
-             "|" + " --- |" * 6]
+    return threads_line(decided, ranks_per_node, all_threads) + "\n\n" + offload_table(rows, all_threads)
+
+
+def threads_line(decided: dict, ranks_per_node: int, all_threads: int) -> str:
+    (plain, plain_source), (offloaded, offloaded_source) = decided[False], decided[True]
+    return (f"CPU threads, as one rank of torchrun --nproc_per_node {ranks_per_node} on this node would have them: "
+            f"without offload {plain} ({plain_source}), with --cpu_offload {offloaded} ({offloaded_source}); "
+            f"this process has {all_threads}")
+
+
+def offload_table(rows: list[dict], all_threads: int) -> str:
+    columns = ("| setup | --cpu_offload | CPU threads | step (median) | step / no offload "
+               f"| step on all {all_threads} threads | device peak (MB) | estimate: device, host (MB) |")
+    lines = [columns, "|" + " --- |" * 8]
     plain = {r["strategy"]: r for r in rows if not r["offload"]}
     for r in rows:
         base = plain[r["strategy"]]
         estimate = (f"{r['estimate_device'] / 1e6:.1f}, {r['estimate_host'] / 1e6:.1f}" if r["offload"] else "")
-        lines.append(f"| minidist/{r['strategy']} | {'on' if r['offload'] else 'off'} | {r['median'] * 1e3:.1f} ms "
-                     f"| {r['median'] / base['median']:.2f}x | {r['device_peak'] / 1e6:.1f} | {estimate} |")
+        on_all = f"{r['on_all_threads'] * 1e3:.1f} ms" if r["on_all_threads"] is not None else ""
+        lines.append(f"| minidist/{r['strategy']} | {'on' if r['offload'] else 'off'} | {r['threads']} "
+                     f"| {r['median'] * 1e3:.1f} ms | {r['median'] / base['median']:.2f}x | {on_all} "
+                     f"| {r['device_peak'] / 1e6:.1f} | {estimate} |")
     return "\n".join(lines)
