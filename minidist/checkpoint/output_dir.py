@@ -18,12 +18,14 @@ in one line (`claimed`):
 - **A fresh run into another run's checkpoints.** Its `latest` would name the old run's newest
   checkpoint, and the rotation (`--save_total_limit`) would keep the old run's higher-numbered
   checkpoints and delete the new ones. Refused, unless `--resume` (continue that run) or
-  `--overwrite_output_dir` (delete its checkpoints and `latest` first).
+  `--overwrite_output_dir` (delete its checkpoints and `latest` first). Only the names minidist
+  writes count (`OURS`): a user's `checkpoint-best/` neither blocks a run nor is deleted.
 - **A folder that cannot be written**: a file of that name, a read-only file system, no permission.
 """
 
 import json
 import os
+import re
 import shutil
 import socket
 from contextlib import contextmanager
@@ -34,6 +36,18 @@ import torch.distributed as dist
 from minidist.runtime.errors import UsageError
 
 LOCK = "minidist.lock"
+# The names minidist writes in an output folder, and the only ones it ever renames or deletes:
+# `checkpoint-<step>` (published), `.tmp` (being written), `.replaced` (an older save of the same
+# step, moved aside for a moment), and the `latest` pointer. A user's `checkpoint-best/` or
+# `checkpoint-4-backup/` is none of them, and is left alone.
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+OURS = re.compile(r"checkpoint-\d+(\.tmp|\.replaced)?|latest(\.tmp)?")
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a published checkpoint's folder name (`checkpoint-12` -> 12); None for any other name."""
+    match = CHECKPOINT.fullmatch(name)
+    return int(match[1]) if match else None
 
 
 @contextmanager
@@ -123,8 +137,7 @@ def _other_runs(out: Path, resume, overwrite: bool) -> str | None:
         return "--resume continues the run in --output_dir and --overwrite_output_dir deletes it: pass only one"
     # A `.tmp` is a save cut short, removed by the next save: a job killed in its first save restarts
     # without --resume (no `latest` yet), and must not be refused for it.
-    found = sorted(p.name for p in out.iterdir()
-                   if p.name.startswith("checkpoint-") and not p.name.endswith(".tmp") or p.name == "latest")
+    found = sorted(p.name for p in out.iterdir() if OURS.fullmatch(p.name) and not p.name.endswith(".tmp"))
     if resume or not found:
         return None
     if not overwrite:

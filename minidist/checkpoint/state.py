@@ -64,9 +64,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.checkpoint import checksums, save_errors
-from minidist.hf import lora
+from minidist.checkpoint import checksums, data_only, save_errors
+from minidist.checkpoint.output_dir import checkpoint_step
 from minidist.checkpoint.preemption import pause_if_asked
+from minidist.hf import lora
 
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads")  # what fixes the shape of every weight
@@ -95,6 +96,20 @@ def _fsync_tree(root: Path) -> None:
         for name in files:
             _fsync(Path(folder) / name)
         _fsync(Path(folder))
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint folder, its manifest first: cut short by a kill, what is left is never
+    taken for a complete checkpoint (`complete`)."""
+    if checkpoint.exists():
+        (checkpoint / "checkpoint.json").unlink(missing_ok=True)
+        _fsync(checkpoint)
+        shutil.rmtree(checkpoint)
+
+
+def _named_by_latest(root: Path) -> str | None:
+    latest = root / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
 
 
 def _write(path: Path, content, text=False) -> None:
@@ -128,23 +143,63 @@ def _set_rng_state(rng: dict, device) -> None:
 
 # ---------------------------------------------------------------- finding and checking a checkpoint
 def find(resume: str, output_dir) -> Path:
-    """`--resume` alone means `output_dir/latest`; a path is a checkpoint folder or an output dir."""
+    """`--resume` alone means the checkpoint `output_dir/latest` names; a path is a checkpoint folder
+    or an output folder. Every rank calls it.
+
+    `latest` names a complete checkpoint at every instant but two, both a kill in the middle of a
+    save (see the module doc): after the first checkpoint is published and before `latest` exists,
+    and while an older save of the same step is moved aside. Then, and whenever the checkpoint it
+    names is missing or incomplete, the newest complete checkpoint is resumed instead, in a line
+    that says so: a requeued job goes on by itself. A `latest` minidist cannot have written (a
+    folder, a name outside the output folder) is refused in one line."""
     path = Path(output_dir if resume == "latest" else resume)
     if (path / "checkpoint.json").exists() or path.name.startswith("checkpoint-"):
         return path
-    if not (path / "latest").exists():
-        raise ValueError(f"--resume: no checkpoint in {path} (no {path / 'latest'}); "
-                         f"drop --resume to start afresh, or pass a checkpoint folder")
-    target = path / (path / "latest").read_text().strip()
-    if not target.is_dir():
-        raise ValueError(f"{path / 'latest'} names {target.name}, which does not exist; "
-                         f"pass another checkpoint to --resume")
-    return target
+    latest = path / "latest"
+    if latest.is_dir():
+        raise ValueError(f"{latest} is a folder, not the one-line file minidist writes there; remove it, "
+                         f"or pass a checkpoint folder to --resume")
+    named = latest.read_text().strip() if latest.exists() else None
+    if named is not None and checkpoint_step(named) is None:  # "../run/checkpoint-3", "/x", "checkpoint-best"
+        raise ValueError(f"{latest} names {named!r}, which is not a checkpoint of this output folder "
+                         f"(checkpoint-<step>); fix or remove it, or pass a checkpoint folder to --resume")
+    if named is not None and complete(path / named):
+        return path / named
+    newest = newest_complete(path)
+    if newest is None and named is None:
+        raise ValueError(f"--resume: no checkpoint in {path} (no {latest}); drop --resume to start afresh, "
+                         f"or pass a checkpoint folder")
+    if newest is None:
+        raise ValueError(f"{latest} names {named}, which does not exist or is incomplete, and {path} holds no "
+                         f"other complete checkpoint; pass another checkpoint to --resume")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        why = f"{latest} names {named}, which is missing or incomplete" if named else f"there is no {latest}"
+        print(f"{why} (a save was cut short); resuming from the newest complete checkpoint, {newest.name}", flush=True)
+    return newest
 
 
-def verify(path: Path, run: dict) -> Path:
-    """Refuse, in one sentence and before any training, a checkpoint that is incomplete, damaged
-    or written by another kind of run; return its path. Every rank calls it (it hashes the files)."""
+def complete(path: Path) -> bool:
+    """Is `path` a whole checkpoint: its manifest intact, every file it lists there at its full size?
+    (What a kill can leave half done; `verify` then checks every byte of the one chosen.)"""
+    try:
+        _manifest(path)
+        return True
+    except ValueError:
+        return False
+
+
+def newest_complete(root: Path, besides: Path | None = None, aside_too: bool = True) -> Path | None:
+    """The complete checkpoint of the highest step in `root` (`checkpoint-<step>`, not `besides`; a
+    `.replaced` one, an older save moved aside, only if `aside_too` and no other is complete), or None."""
+    found = [(not name.endswith(".replaced"), step, root / name) for name in os.listdir(root)
+             if (step := checkpoint_step(name.removesuffix(".replaced" if aside_too else ""))) is not None
+             and root / name != besides and (root / name).is_dir()]
+    return next((path for *_, path in sorted(found, reverse=True) if complete(path)), None)
+
+
+def _manifest(path: Path) -> dict:
+    """`path/checkpoint.json`, if intact (its own checksum) and every file it lists has its size;
+    else ValueError, one line."""
     manifest = path / "checkpoint.json"
     try:
         meta = json.loads(manifest.read_text())
@@ -163,12 +218,23 @@ def verify(path: Path, run: dict) -> Path:
         if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
             raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
                              f"resume from another checkpoint or start afresh without --resume")
+    return meta
+
+
+def verify(path: Path, run: dict) -> Path:
+    """Refuse, in one sentence and before any training, a checkpoint that is incomplete, damaged,
+    not plain data or written by another kind of run; return its path. Every rank calls it (it
+    hashes the files)."""
+    meta = _manifest(path)
+    files, sums = meta["files"], meta["checksums"]
     found = checksums.file_checksums(path, list(files))  # every rank hashes its share of the pieces
     for name in files:
         if found[name] != sums[name]:  # bytes overwritten in place: only a checksum sees it
             raise ValueError(f"checkpoint {path} is damaged: {name} does not match its checksum (its bytes "
                              f"changed since the save); resume from another checkpoint or start afresh "
                              f"without --resume")
+    if meta["form"] == "sharded":  # DCP's metadata is a pickle: read it as data, or refuse it (data_only.py)
+        data_only.check(path / "dcp")
     for key, what, fix in (("model", "model", "pass the --model it was trained from"),
                            ("strategy", "strategy", "resume with the same --impl, --strategy and --lora_* flags"),
                            ("global_batch_size", "global batch", "keep batch x ranks x accumulation the same"),
@@ -211,7 +277,8 @@ class Checkpointer:
                     failure = err
 
         if self.env.is_main:
-            attempt(lambda: [shutil.rmtree(stale) for stale in self.root.glob("checkpoint-*.tmp")])  # cut short
+            attempt(lambda: [shutil.rmtree(self.root / name) for name in os.listdir(self.root)  # cut short
+                             if name.endswith(".tmp") and checkpoint_step(name.removesuffix(".tmp")) is not None])
             attempt(lambda: tmp.mkdir(parents=True))
         dist.barrier()
         attempt(lambda: _write(tmp / f"rng-{rank}.pt", _rng_state(self.env.device)))
@@ -227,10 +294,10 @@ class Checkpointer:
         else:
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=True)
             if self.env.is_main:  # the others got empty dicts: the whole state is on rank 0's CPU
-                attempt(lambda: self.strategy.unwrap(self.model).save_pretrained(tmp / "model", state_dict=model_sd))
+                attempt(lambda sd=model_sd: self.strategy.unwrap(self.model).save_pretrained(tmp / "model", state_dict=sd))
                 if self.tokenizer is not None:
                     attempt(lambda: self.tokenizer.save_pretrained(tmp / "model"))
-                attempt(lambda: _write(tmp / "optimizer.pt", optim_sd))
+                attempt(lambda sd=optim_sd: _write(tmp / "optimizer.pt", sd))
         del model_sd, optim_sd
         if self.env.is_main:
             lines = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
@@ -257,20 +324,37 @@ class Checkpointer:
         _fsync_tree(tmp)
         old = final.with_name(final.name + ".replaced")
         if final.exists():  # a run resumed from an older checkpoint meets its former future
-            final.rename(old)
-        tmp.rename(final)
+            _remove(old)  # a .replaced left by a save killed earlier
+            if _named_by_latest(self.root) == final.name:  # never let latest name a folder moved aside
+                self._point_latest_to(newest_complete(self.root, besides=final, aside_too=False))
+            os.rename(final, old)
+        os.rename(tmp, final)
         _fsync(self.root)
+        self._point_latest_to(final)
+        _remove(old)
+        self._rotate(keep_also=final)
+
+    def _point_latest_to(self, checkpoint: Path | None) -> None:
+        """Make `latest` name `checkpoint` (or remove it, for None): write `latest.tmp`, fsync it,
+        rename it over `latest` (atomic: latest names the old or the new, never half), fsync the folder."""
         pointer = self.root / "latest.tmp"
-        _write(pointer, final.name + "\n", text=True)
-        pointer.rename(self.root / "latest")  # atomic: latest names the old or the new, never half
+        if checkpoint is None:
+            (self.root / "latest").unlink(missing_ok=True)
+        else:
+            _write(pointer, checkpoint.name + "\n", text=True)
+            os.rename(pointer, self.root / "latest")
         _fsync(self.root)
-        shutil.rmtree(old, ignore_errors=True)
-        if self.keep > 0:
-            done = sorted((p for p in self.root.glob("checkpoint-*") if p.suffix == "" and p.is_dir()),
-                          key=lambda p: int(p.name.split("-")[1]))
-            for stale in done[:-self.keep]:
-                if stale != final:
-                    shutil.rmtree(stale)
+
+    def _rotate(self, keep_also: Path) -> None:
+        """Keep the newest `keep` checkpoints (and `keep_also`, the one latest names); remove the rest.
+        Only `checkpoint-<step>` folders: a user's `checkpoint-best/` is not minidist's to delete."""
+        if self.keep <= 0:
+            return
+        steps = sorted(step for name in os.listdir(self.root)
+                       if (step := checkpoint_step(name)) is not None and (self.root / name).is_dir())
+        for step in steps[:-self.keep]:
+            if self.root / f"checkpoint-{step}" != keep_also:
+                _remove(self.root / f"checkpoint-{step}")
 
     def load(self, path: Path) -> dict:
         """Load a checkpoint that `verify` accepted into the model, optimizer, scheduler and RNGs.
@@ -278,13 +362,12 @@ class Checkpointer:
         Returns its step, data position, metrics records and `extra`. Every rank calls it."""
         meta = json.loads((path / "checkpoint.json").read_text())
         if meta["form"] == "sharded":
-            import torch.distributed.checkpoint as dcp
-
             # The live state_dicts say which shard this rank needs; DCP reads just that slice
-            # of every tensor into them, whatever the world size that wrote the files.
+            # of every tensor into them, whatever the world size that wrote the files. It reads
+            # through minidist's reader and planner, which unpickle nothing but data (data_only.py).
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=False)
             state = {"model": model_sd, "optimizer": optim_sd}
-            dcp.load(state, checkpoint_id=str(path / "dcp"))
+            data_only.load(state, path / "dcp")
             self.strategy.set_state_dict(self.model, self.optimizer, state["model"], state["optimizer"], full=False)
         else:
             model_sd, optim_sd = {}, {}

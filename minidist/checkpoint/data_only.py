@@ -1,0 +1,132 @@
+"""A checkpoint is data, never code: a sharded checkpoint read without running anything it names.
+
+A pickle is not a data format but a small program for a stack machine. Two of its instructions
+make it dangerous: GLOBAL names any importable object (`os.system`, `builtins.exec`), and REDUCE
+calls it with arguments from the file. `pickle.load` runs that program as it reads, before the
+caller sees a single object. So whoever hands over a checkpoint that is unpickled runs their code
+on your cluster, with your credentials, on every rank.
+
+`torch.load(..., weights_only=True)` closes that door for `torch.save` files: its unpickler
+admits only tensors and plain containers. Every `torch.load` in minidist passes it. PyTorch's
+distributed checkpoint (DCP) does not, in two places:
+
+- `FileSystemReader.read_metadata` reads `dcp/.metadata` (which file holds which slice of which
+  tensor) with a plain `pickle.load`;
+- `DefaultLoadPlanner.load_bytes` reads every non-tensor entry of the state dict (the torch
+  optimizer's learning rate, betas, ...) with `torch.load(weights_only=False)`.
+
+The checksums in `checkpoint.json` do not help: they catch a disk's or a copy's accident, not an
+attacker, who recomputes them as easily as minidist computed them (plain SHA-256, the manifest
+beside the files). So minidist reads a sharded checkpoint through its own two pieces instead:
+
+- `DataOnlyReader`, a `FileSystemReader` whose `read_metadata` unpickles with `MetadataUnpickler`:
+  its `find_class` admits only the names in `ALLOWED`, the types DCP's metadata is made of (found
+  by unpickling the metadata of minidist's own checkpoints: DDP, ZeRO-1/2, FSDP, HSDP, CPU offload,
+  LoRA, bf16, and PyTorch's DDP, FSDP2 and HSDP), and refuses any other name, unimported and
+  uncalled. It reads the same file DCP would, the global `.metadata` or a rank's own, through the
+  same file-system layer.
+- `DataOnlyPlanner`, a `DefaultLoadPlanner` whose `load_bytes` uses `weights_only=True`.
+
+`check` reads the metadata up front, so that `state.verify` refuses a planted payload in one line
+before the model loads; `load` is `dcp.load` through both pieces (the folder could change between
+the check and the load: the reader refuses then too).
+"""
+
+import pickle
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element  # private, as DefaultLoadPlanner uses it
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from minidist.runtime.errors import UsageError
+
+# (module, name) pairs, exactly: "PosixPath" is admitted, "PosixPath.touch" (a method, reachable
+# through the same module) is not. Each is a plain record, a dtype, a shape, or a path: building
+# one runs no code of the file's choosing.
+ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},  # which file, offset and length hold an item
+    "torch.serialization": {"_get_layout"},  # "torch.strided" -> the layout object (as weights_only admits it)
+    "torch": {"Size"} | {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)},
+    "pathlib": {"PosixPath"},  # the checkpoint_id DCP records in StorageMeta
+}
+
+
+class NotData(pickle.UnpicklingError):
+    """A checkpoint names something that is not data (a function, a class outside `ALLOWED`)."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that resolves only the names in `ALLOWED` (see module doc)."""
+
+    def find_class(self, module: str, name: str):
+        if name in ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise NotData(f"it names {module}.{name}, which is not part of a checkpoint's metadata")
+
+
+class DataOnlyReader(FileSystemReader):
+    """DCP's file-system reader, its metadata unpickled by `MetadataUnpickler` (see module doc)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))  # `.metadata`, or `__<rank>.metadata`
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise NotData(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader.read_metadata does too
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class DataOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, its non-tensor entries read with `weights_only=True`."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:  # weights_only's refusal, in a paragraph: keep the line that names it
+            named = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+            raise NotData(f"its entry {read_item.dest_index.fqn} is not plain data "
+                          f"({named[0] if named else 'refused by weights_only'})") from None
+        if self.flatten_state_dict:  # the rest is DefaultLoadPlanner.load_bytes as it is
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def refusal(folder, why) -> str:
+    """The one line that says a checkpoint was refused for naming code (`why`: NotData's text)."""
+    return (f"checkpoint {folder} is not plain data: {why}; a checkpoint is data, never code, so nothing in it "
+            f"was loaded or run; resume only from a checkpoint you wrote or trust")
+
+
+def check(folder) -> None:
+    """Read `folder`'s DCP metadata (`folder/.metadata`) as `load` will; raise ValueError, one line,
+    if it names anything outside `ALLOWED` or is not DCP's Metadata."""
+    try:
+        DataOnlyReader(folder).read_metadata()
+    except NotData as err:
+        raise ValueError(refusal(folder, err)) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, IndexError) as err:
+        raise ValueError(f"checkpoint {folder} is damaged: its .metadata cannot be read ({type(err).__name__}); "
+                         f"resume from another checkpoint or start afresh without --resume") from None
+
+
+def load(state: dict, folder) -> None:
+    """`dcp.load(state, checkpoint_id=folder)` through `DataOnlyReader` and `DataOnlyPlanner`;
+    a refusal on any rank is a UsageError of one line on every rank (DCP gathers the failures)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=DataOnlyReader(folder), planner=DataOnlyPlanner())
+    except CheckpointException as err:
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, NotData)]
+        if refused:
+            raise UsageError(refusal(folder, refused[0])) from None
+        raise
