@@ -55,10 +55,13 @@ class FrozenFlat:
         self.free()
         self.handle = None
 
-    def gather(self) -> None:
-        """Start the all-gather of the full frozen flat (asynchronous; `wait` finishes it)."""
+    def gather(self, side) -> None:
+        """Start the all-gather of the full frozen flat on the unit's gather stream, `side`
+        (`streams.SideStream`; asynchronous: `wait` finishes it)."""
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
-        self.handle = comm.all_gather(self.full, self.shard, group=self.group, async_op=True)
+        full, shard, group = self.full, self.shard, self.group
+        self.handle = side.launch(lambda async_op: comm.all_gather(full, shard, group=group, async_op=async_op),
+                                  full, shard)
 
     def wait(self) -> None:
         if self.handle is not None:

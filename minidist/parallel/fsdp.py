@@ -20,17 +20,40 @@ and all that lives between steps. The original parameters are removed from their
    but point to no memory;
 3. *before its backward* (a hook on the gradient of the unit's output) the shards are gathered
    again, into the same storage, so the views autograd saved are valid again;
-4. *after its backward* (autograd has accumulated the gradient of the full flat buffer) the
-   gathered weights are freed and the gradient's reduce-scatter is launched, asynchronously:
-   rank r will get the sum of its shard, averaged, in `flat_param.grad`. Then the previous
-   unit's reduce-scatter is waited for and its full gradient let go (`Reductions`, the wrapper's
-   queue): at most two units' full gradients are ever alive (one on the wire, one that autograd
-   fills), not the whole model's.
-Bytes per rank per step: all-gather P + all-gather P + reduce-scatter P, each (N-1)/N: 3P(N-1)/N,
-1.5x DDP's 2P(N-1)/N. (PyTorch's FSDP2 keeps the root unit gathered from forward to backward,
-saving one all-gather of it; here every unit follows the same four steps.) With gradient
-accumulation, `no_sync()` micro-batches keep their full gradients (no reduce-scatter), but still
-gather each unit twice: (2k + 1)P(N-1)/N for k micro-batches.
+4. *after its backward* (autograd has made the gradient of the full flat buffer) the gathered
+   weights are freed and the gradient's reduce-scatter is launched, asynchronously: rank r will
+   get the sum of its shard, averaged, in `flat_param.grad`. Then the previous unit's
+   reduce-scatter is waited for and its full gradient let go (`Reductions`, the wrapper's queue):
+   at most two units' full gradients are ever alive (one on the wire, one that autograd fills),
+   not the whole model's.
+The root skips steps 2 and 3 when there is a backward to come (grad enabled), as in PyTorch's FSDP2
+(`reshard_after_forward=False` for the root): backward begins with the output layer, which needs
+the root's weights at once, so there is nothing to prefetch them behind. It stays gathered from its
+forward to its post-backward (the embedding's gradient, the last of the step); under `no_grad`
+(evaluation, generation) it is freed after forward like every unit. The price: the root's weights stay
+held between forward and backward, while the loss is computed: it was held through the whole
+forward (the layers run inside the root's module) and the whole backward already.
+
+**Bytes per rank per step**, P_root the root's elements: the layers are all-gathered twice
+(P - P_root each time), the root once, and everything reduce-scattered once, each (N-1)/N:
+(3P - P_root)(N-1)/N, against DDP's 2P(N-1)/N. With gradient accumulation, `no_sync()`
+micro-batches send no reduce-scatter but still gather: ((2k + 1)P - k P_root)(N-1)/N for k
+micro-batches. As one unit (`unit_classes=()`) the whole model is the root: (k + 1)P(N-1)/N, DDP's
+2P(N-1)/N for k = 1. (Before the root was kept, it was gathered twice too: (2k + 1)P(N-1)/N.)
+
+**Accumulation in fp32.** Under `no_sync()` a unit's gradient is not left in `full.grad`, where
+autograd would add the next micro-batch's into it in the weights' dtype (bf16 under mixed
+precision: every addition rounded to 8 bits). At each post-backward the unit adds it into a sum of
+its own in the reduction's dtype (`reduce_dtype`, fp32 by default; `Unit._take_grad`), and the
+synchronising micro-batch reduce-scatters that sum. As FSDP2: 4 bytes an element kept between
+micro-batches, not 2.
+
+**Two streams** (`streams.py`). On a GPU the all-gathers run on one side stream and the
+reduce-scatters on another (HSDP's all-reduces on a third), as FSDP2's `all_gather_stream` and
+`reduce_scatter_stream`: in backward unit i-2's gather does not queue behind unit i's
+reduce-scatter, as it would on the process group's one NCCL stream. The compute stream waits for
+each collective's event before it reads the result. On a CPU the same calls are gloo's
+asynchronous collectives, as before.
 
 **Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at
 the same place on every node), the units are sharded over `process_group`, the S ranks of a node,
@@ -39,13 +62,17 @@ reduce-scatter is waited for (at the next unit's post-backward, by the wrapper's
 reductions, `Reductions`), its gradient shard's all-reduce over the copies is launched,
 asynchronously, and waited for one unit later (or when backward ends). The gradient is divided by
 all R x S ranks. Loading scatters rank 0's weights over node 0 and broadcasts each shard from
-there to the other copies. Bytes per rank: 3P(S-1)/S within the node, 2(P/S)(R-1)/R across.
+there to the other copies. Bytes per rank: (3P - P_root)(S-1)/S within the node, 2(P/S)(R-1)/R
+across.
 
 **Prefetch.** While unit i computes, unit i+1's all-gather is already in flight (launched
 asynchronously from unit i's pre-forward hook), and in backward unit i-1's while unit i computes.
-So at most three units are gathered at once: the root, the running unit and the next one
-(`max_unsharded` records it). Layers are assumed to run in the order they are registered, as
-in every decoder-only transformer (PyTorch's FSDP records the order of the first step instead).
+The first layer's gather is launched right after the root's, before the root is waited for, so the
+two are in flight together; in backward the root is already there, and the last layer's gather is
+launched as backward begins. So at most three units are gathered at once: the root, the running
+unit and the next one (`max_unsharded` records it). Layers are assumed to run in the order they are
+registered, as in every decoder-only transformer (PyTorch's FSDP records the order of the first step
+instead).
 
 **Mixed precision.** The fp32 shard is the master weight. With `param_dtype=bf16` each unit is
 all-gathered in bf16 (half the bytes and memory), forward and backward compute in bf16, and the
@@ -72,6 +99,7 @@ from minidist.parallel import comm, offload
 from minidist.parallel.flat import Flat, clip_sharded_grad_norm_, gather_parameters
 from minidist.parallel.mesh import broadcast_from_first_copy
 from minidist.parallel.precision import MixedPrecision
+from minidist.parallel.streams import SideStream
 from minidist.parallel.unit import Unit
 from minidist.parallel.wrapper import DataParallelWrapper
 
@@ -93,8 +121,13 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.replicate_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.in_backward = False
-        # The gradients' collectives still in flight, across units (HSDP: over the copies too).
-        self.reductions = Reductions(replicate_group if self.replicate_size > 1 else None)
+        # One side stream per kind of collective, as FSDP2's (streams.py): on a GPU a gather never
+        # queues behind a reduce-scatter; on a CPU each is gloo's asynchronous call.
+        self.all_gather_stream, self.reduce_scatter_stream = SideStream(device), SideStream(device)
+        # The gradients' collectives still in flight, across units (HSDP: over the copies too, on a
+        # stream of their own at default priority, as FSDP2's all_reduce_stream).
+        self.reductions = Reductions(replicate_group if self.replicate_size > 1 else None,
+                                     SideStream(device, priority=0) if self.replicate_size > 1 else None)
         self.unsharded = self.max_unsharded = 0
         # The wrap policy: outermost modules of the given classes, in registration order.
         unit_modules = {}
@@ -128,7 +161,11 @@ class FullyShardedDataParallel(DataParallelWrapper):
 
     def forward(self, *args, **kwargs):
         self.in_backward = False
-        self.root.pre_forward()
+        # The root's gather and the first layer's in flight together: the root's forward is short
+        # (the embedding lookup), and the first layer should not wait for the root's wait to start.
+        self.root.gather()
+        self.prefetch(self.root, +1)
+        self.root.pre_forward()  # waits for the root (the prefetch it would start is in flight already)
         output = self.module(*args, **kwargs)
         return self.root.post_forward(self.module, args, output)
 
@@ -207,8 +244,9 @@ class Reductions:
     first be summed over the copies too; that all-reduce is started where the reduce-scatter
     finishes (`_start_replicate`) and waited for one unit later again (`_finish_replicate`)."""
 
-    def __init__(self, replicate_group=None):
+    def __init__(self, replicate_group=None, all_reduce_stream: SideStream | None = None):
         self.replicate_group = replicate_group  # HSDP's copies; None: FSDP, nothing to replicate
+        self.all_reduce_stream = all_reduce_stream  # HSDP: where the all-reduces over the copies run
         self.scattering = None  # (unit, handle, shard out, full gradient): the last unit's reduce-scatter
         self.replicating = []  # HSDP: (unit, handle, shard) of the all-reduces over the copies in flight
 
@@ -237,7 +275,8 @@ class Reductions:
 
     def _start_replicate(self, unit, out: torch.Tensor) -> None:
         """HSDP: sum the reduced shard over the copies (one rank per node), asynchronously."""
-        work = comm.all_reduce(out, group=self.replicate_group, async_op=True)
+        group = self.replicate_group
+        work = self.all_reduce_stream.launch(lambda async_op: comm.all_reduce(out, group=group, async_op=async_op), out)
         self.replicating.append((unit, work, out))
 
     def _finish_replicate(self) -> None:

@@ -7,7 +7,13 @@ handed the `FullyShardedDataParallel` it belongs to (`self.fsdp`), and reads fro
 the precision policy and the prefetch order. What spans several units is the wrapper's, never
 written by a unit: the reduce-scatter a unit launches after its backward is handed to the
 wrapper's queue (`fsdp.Reductions`), which waits for it one unit later, runs HSDP's all-reduce
-over the copies, and gives the finished shard back to the unit (`accumulate`).
+over the copies, and gives the finished shard back to the unit (`accumulate`). Each collective is
+launched on the wrapper's side stream for its kind (`fsdp.all_gather_stream`,
+`fsdp.reduce_scatter_stream`: `streams.py`), with every tensor it touches made before the launch.
+
+Two things differ by unit and by micro-batch: the root stays gathered from its forward to its
+backward when grad is on (`post_forward`), and under `no_sync` a unit keeps its gradient summed in
+the reduction's dtype, `accumulated`, until the micro-batch that synchronises (`_take_grad`).
 
 A unit may hold frozen parameters too (LoRA's base weights): they go in a second flat,
 `self.frozen` (`frozen.py`), gathered and freed with the trainable one and never reduced. The
@@ -57,6 +63,7 @@ class Unit:
         self._free_storage()  # "in-place modification" in autograd's eyes
         self.full.register_post_accumulate_grad_hook(weak_hook(self._post_backward))
         self.handle = self._send = None
+        self.accumulated = None  # under no_sync: the sum of this unit's gradients so far (`_take_grad`)
         self.state = "sharded"  # "gathering" (all-gather in flight), "gathered"
         self.gathered_for_backward = False
 
@@ -65,13 +72,17 @@ class Unit:
         """Start the all-gather of this unit (asynchronous); `wait` finishes it."""
         if self.state != "sharded":
             return
+        side = self.fsdp.all_gather_stream  # gathers never queue behind reduce-scatters (streams.py)
         if self.frozen is not None:
-            self.frozen.gather()
+            self.frozen.gather(side)
         if self.layout.numel:
+            # Both tensors are made here, on the compute stream, before the launch (streams.py's rule).
             self._data.untyped_storage().resize_(self.layout.padded_numel * self._data.element_size())
-            self._send = (self.device_shard.get() if self.device_shard  # bf16: half the bytes
-                          else self.flat_param.detach().to(self.fsdp.mp.param_dtype))
-            self.handle = comm.all_gather(self._data, self._send, group=self.fsdp.group, async_op=True)
+            self._send = send = (self.device_shard.get() if self.device_shard  # bf16: half the bytes
+                                 else self.flat_param.detach().to(self.fsdp.mp.param_dtype))
+            data, group = self._data, self.fsdp.group
+            self.handle = side.launch(lambda async_op: comm.all_gather(data, send, group=group, async_op=async_op),
+                                      data, send)
         self.state = "gathering"
         self.fsdp._count_unsharded(+1)
 
@@ -117,7 +128,10 @@ class Unit:
     def post_forward(self, module, args, output):
         if self.fsdp.in_backward:  # a recomputation inside backward: the unit is needed now
             return output
-        self.free()
+        # The root stays gathered from forward to backward when there is a backward to come (FSDP2's
+        # reshard_after_forward=False for the root): backward starts with the output layer, at once.
+        if not (self is self.fsdp.root and torch.is_grad_enabled()):
+            self.free()
         if torch.is_grad_enabled():
             self.gathered_for_backward = False
             self.fsdp.hook_outputs(output, self.pre_backward)
@@ -141,14 +155,31 @@ class Unit:
 
     def _post_backward(self, full: torch.Tensor) -> None:
         self.free()  # the gathered weights first: the reduction does not need them
+        grad = self._take_grad(full)
         if not self.fsdp.require_sync:
-            return  # no_sync: full.grad stays and the next backward adds to it
-        grad = for_reduction(full.grad, self.fsdp.mp)  # fp32 (by default) for the sum over ranks
-        full.grad = None
+            self.accumulated = grad  # no_sync: kept, in the reduction's dtype, for the next backward to add to
+            return
+        self.accumulated = None  # from here on the reduce-scatter's input (scratch: gloo sums into it)
         grad.div_(self.fsdp.world_size * self.fsdp.replicate_size)  # the average over every rank, as DDP takes it
-        out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        handle = comm.reduce_scatter(out, grad, group=self.fsdp.group, async_op=True, input_is_scratch=True)
+        out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)  # on the compute stream
+        group = self.fsdp.group
+        handle = self.fsdp.reduce_scatter_stream.launch(
+            lambda async_op: comm.reduce_scatter(out, grad, group=group, async_op=async_op, input_is_scratch=True),
+            out, grad)
         self.fsdp.reductions.add(self, handle, out, grad)  # the wrapper's queue: waited for one unit later
+
+    def _take_grad(self, full: torch.Tensor) -> torch.Tensor:
+        """This backward's gradient of the unit, in the dtype it is summed in (`reduce_dtype`: fp32 by
+        default), added into what the `no_sync` micro-batches before it accumulated; `full.grad` let go.
+
+        Autograd would accumulate into `full.grad` in the weights' dtype: in bf16, every micro-batch's
+        addition rounds the running sum to 8 bits. Here each bf16 gradient is added into an fp32 sum
+        (exact conversion, one fp32 rounding), as FSDP2 accumulates in its reduce dtype, for 4 bytes an
+        element kept between micro-batches instead of 2."""
+        new, full.grad = full.grad, None
+        if self.accumulated is None:
+            return for_reduction(new, self.fsdp.mp)  # a cast (bf16 -> fp32), or the gradient itself
+        return self.accumulated.add_(new)
 
     def accumulate(self, out: torch.Tensor) -> None:
         """Add a reduced gradient shard (its collectives done) into `flat_param.grad`."""
