@@ -21,6 +21,7 @@ bandwidth; the GPU check.
   against PyTorch's; CodeLlama-7b's shapes with FSDP; each row only where its estimate fits the
   GPU. It writes `table.md`, a profiler trace of one FSDP step and its memory snapshot.
 - `gpu_report.py`: the GPU check's table and its goals.
+- `gate.py`: which rows run on this GPU: those whose estimate, with a reserve, fits.
 - `offload.py`: the GPU check's rows with and without `--cpu_offload`; `threads.py`: the CPU
   threads they are timed on, those of a torchrun rank.
 - `snapshot.py`: the allocator's reserved peak, and one step's memory snapshot for pytorch.org/memory_viz.

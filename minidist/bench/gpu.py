@@ -27,10 +27,10 @@ micro-batches of 16 x 512 random tokens (gradient accumulation 2, the first unde
 - the step time as a ratio to PyTorch's: DDP, ZeRO-1 and ZeRO-2 by hand to PyTorch's DDP, FSDP
   by hand to FSDP2, with the same checkpointing.
 
-**A row runs where its estimate fits** (`skip_reason`): the estimate of its setup, plus a reserve
+**A row runs where its estimate fits** (`gate.py`): the estimate of its setup, plus a reserve
 of 5 GB for what the estimate leaves out (the CUDA context, NCCL, fragmentation; the same room
 `python -m minidist.memory --gpu_memory 80GB` leaves an A100 of 85.1e9 bytes), must be at most the
-GPU's memory. A row that does not says so, with both figures. So CodeLlama-7b's real shapes (the
+GPU's memory; the offload rows too. A row that does not says so, with both figures. So CodeLlama-7b's real shapes (the
 bundled config, random weights made on the GPU, nothing downloaded; FSDP, checkpointing, batch
 1 x 512, about 135 GB by the estimate) run on an H200 and are skipped on an H100.
 
@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from minidist.bench import gpu_report, offload, snapshot, timeline
+from minidist.bench.gate import RESERVE, gpu_memory, skip_reason
 from minidist.bench.strategies import time_steps
 
 SETUPS = [("torch", "ddp"), ("minidist", "ddp"), ("minidist", "zero1"), ("minidist", "zero2"),
@@ -73,24 +74,9 @@ SIZES = {"gpu": {"hidden_size": 2048, "num_layers": 20, "num_heads": 16, "batch"
                 "steps": 10},
          "smoke": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "batch": 2, "seq": 32, "warmup": 1, "steps": 3}}
 CODELLAMA = Path(__file__).resolve().parent.parent / "hf" / "configs" / "codellama-7b"
-RESERVE = 5e9  # bytes the estimate does not count: CUDA context, NCCL's buffers, the allocator's fragmentation
 PHASES = (f"forward + backward ({ACCUMULATION} micro-batches)", "clip_grad_norm_", "optimizer step")
 TRACED = ("minidist", "fsdp", False)  # the setup whose step is profiled and snapshotted
 SNAPSHOT = "memory_snapshot_minidist_fsdp.pickle"
-
-
-def skip_reason(estimate: float, gpu_memory: int | None) -> str | None:
-    """Why a row whose setup is estimated at `estimate` bytes cannot run on a GPU of `gpu_memory`
-    bytes (None: it can). No GPU, no gate: the smoke run's tiny rows always run."""
-    if gpu_memory is None or estimate + RESERVE <= gpu_memory:
-        return None
-    return (f"skipped: estimate {estimate / 1e9:.1f} GB + {RESERVE / 1e9:.0f} GB reserve > "
-            f"GPU {gpu_memory / 1e9:.1f} GB")
-
-
-def gpu_memory(device: torch.device) -> int | None:
-    """The GPU's memory in bytes, as the driver reports it; None on the CPU."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def build(impl: str, strategy_name: str, checkpointing: bool, source: str, env):

@@ -8,7 +8,7 @@ Beside them the estimate's device and host columns (`memory/offload_split.py`). 
 on a GPU: the device peak falls by the 12 bytes per parameter of masters and moments (ZeRO-2: of
 its shard), and the step grows by the CPU's AdamW and the PCIe copies (`parallel/offload.py`).
 
-Each row is timed on the CPU threads one rank of a torchrun job on this node would have
+A row runs where its estimate fits the GPU (`gate.py`), as in `gpu.py`. Each row is timed on the CPU threads one rank of a torchrun job on this node would have
 (`threads.job_threads`): with offload, the rank's share of the cores (`use_cores_for_offload`);
 without, torchrun's OMP_NUM_THREADS=1 where it sets it. An offloaded row whose count differs from
 this process's is timed on all of this process's threads too, so the difference shows.
@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from minidist.bench import threads as cpu_threads
+from minidist.bench.gate import gpu_memory, skip_reason
 from minidist.bench.strategies import time_steps
 
 # imported before any wrapping: it sees host tensors placed
@@ -48,13 +49,32 @@ def _device_peak(step, model, optimizer, device) -> int:
     return live.device_peak
 
 
+def estimate(strategy_name, cpu_offload, sizes, env, shape, accumulation) -> dict:
+    """The estimate of one row's setup: its peak, and with offload its device and host sides."""
+    from minidist.memory import estimator
+
+    setup = estimator.setup(strategy=strategy_name, impl="minidist", world_size=1, cpu_offload=cpu_offload,
+                            batch_size_per_device=sizes["batch"], max_seq_length=sizes["seq"], padded=False,
+                            gradient_accumulation_steps=accumulation,
+                            backend="nccl" if env.device.type == "cuda" else "gloo")
+    return estimator.estimate(shape, setup)
+
+
 def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumulation, threads: int,
         all_threads: int) -> dict:
-    """One row: the setup timed on `threads` CPU threads (and, offloaded, on `all_threads` too
-    where that differs), its device peak, and the estimate's device and host bytes."""
-    from minidist.memory import estimator
+    """One row, where its estimate fits the GPU (`gate.py`): the setup timed on `threads` CPU
+    threads (and, offloaded, on `all_threads` too where that differs), its device peak, and the
+    estimate's device and host bytes."""
     from minidist.step import train_step
 
+    expected = estimate(strategy_name, cpu_offload, sizes, env, shape, accumulation)
+    row = {"strategy": strategy_name, "offload": cpu_offload, "threads": threads,
+           "estimate_device": expected["device"] if cpu_offload else None,
+           "estimate_host": expected["host"] if cpu_offload else None}
+    reason = skip_reason(expected["peak"], gpu_memory(env.device))  # under offload the peak is the device's
+    if reason:
+        print(f"minidist/{strategy_name}, --cpu_offload {'on' if cpu_offload else 'off'}: {reason}", flush=True)
+        return {**row, "error": reason}
     strategy, model, optimizer = _build(strategy_name, cpu_offload, source, env)
     num_targets = accumulation * sizes["batch"] * (sizes["seq"] - 1)
 
@@ -71,15 +91,8 @@ def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumula
     if cpu_offload and all_threads != threads:
         with cpu_threads.using(all_threads):
             on_all = statistics.median(time_steps(step, sizes["steps"]))
-    setup = estimator.setup(strategy=strategy_name, impl="minidist", world_size=1, cpu_offload=True,
-                            batch_size_per_device=sizes["batch"], max_seq_length=sizes["seq"], padded=False,
-                            gradient_accumulation_steps=accumulation,
-                            backend="nccl" if env.device.type == "cuda" else "gloo")
-    estimate = estimator.estimate(shape, setup)
-    return {"strategy": strategy_name, "offload": cpu_offload, "median": statistics.median(times),
-            "threads": threads, "on_all_threads": on_all,
-            "device_peak": _device_peak(step, model, optimizer, env.device),
-            "estimate_device": estimate["device"] if cpu_offload else None, "estimate_host": estimate["host"]}
+    return {**row, "median": statistics.median(times), "on_all_threads": on_all,
+            "device_peak": _device_peak(step, model, optimizer, env.device)}
 
 
 def compare(source, sizes, env, shape, batches, accumulation, ranks_per_node: int, environ) -> str:
@@ -115,12 +128,16 @@ def offload_table(rows: list[dict], all_threads: int) -> str:
     columns = ("| setup | --cpu_offload | CPU threads | step (median) | step / no offload "
                f"| step on all {all_threads} threads | device peak (MB) | estimate: device, host (MB) |")
     lines = [columns, "|" + " --- |" * 8]
-    plain = {r["strategy"]: r for r in rows if not r["offload"]}
+    plain = {r["strategy"]: r for r in rows if not r["offload"] and "error" not in r}
     for r in rows:
-        base = plain[r["strategy"]]
-        estimate = (f"{r['estimate_device'] / 1e6:.1f}, {r['estimate_host'] / 1e6:.1f}" if r["offload"] else "")
+        estimate = f"{r['estimate_device'] / 1e6:.1f}, {r['estimate_host'] / 1e6:.1f}" if r["offload"] else ""
+        start = f"| minidist/{r['strategy']} | {'on' if r['offload'] else 'off'} | {r['threads']} |"
+        if "error" in r:
+            lines.append(f"{start} {r['error']} | | | | {estimate} |")
+            continue
+        base = plain.get(r["strategy"])
+        ratio = f"{r['median'] / base['median']:.2f}x" if base else "-"
         on_all = f"{r['on_all_threads'] * 1e3:.1f} ms" if r["on_all_threads"] is not None else ""
-        lines.append(f"| minidist/{r['strategy']} | {'on' if r['offload'] else 'off'} | {r['threads']} "
-                     f"| {r['median'] * 1e3:.1f} ms | {r['median'] / base['median']:.2f}x | {on_all} "
-                     f"| {r['device_peak'] / 1e6:.1f} | {estimate} |")
+        lines.append(f"{start} {r['median'] * 1e3:.1f} ms | {ratio} | {on_all} | {r['device_peak'] / 1e6:.1f} "
+                     f"| {estimate} |")
     return "\n".join(lines)

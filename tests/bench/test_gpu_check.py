@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minidist.bench import gpu, gpu_report, snapshot, threads
+from minidist.bench import gate, gpu, gpu_report, snapshot, threads
 from minidist.memory import estimator
 from minidist.runtime.metrics import PEAK_BF16_FLOPS
 
@@ -43,12 +43,12 @@ def codellama_estimate() -> float:
 def test_the_7b_row_runs_where_its_estimate_fits_and_says_why_not_elsewhere():
     need = codellama_estimate()
     assert 130e9 < need < 140e9, need  # the 134.8 GB: above the 120 GB the check used to ask for
-    reason = gpu.skip_reason(need, H100)
+    reason = gate.skip_reason(need, H100)
     assert reason and f"{need / 1e9:.1f} GB" in reason and f"{H100 / 1e9:.1f} GB" in reason, reason
-    assert gpu.skip_reason(need, H200) is None  # FSDP at world size 1, batch 1 x 512, checkpointing
-    assert gpu.skip_reason(need, int(need + gpu.RESERVE) - 1) is not None  # the reserve is asked for, not assumed
-    assert gpu.skip_reason(need, 125e9) is not None  # a 125 GB GPU passed the old 120 GB gate: it cannot hold it
-    assert gpu.skip_reason(need, None) is None  # no GPU, no gate (the smoke run's tiny rows)
+    assert gate.skip_reason(need, H200) is None  # FSDP at world size 1, batch 1 x 512, checkpointing
+    assert gate.skip_reason(need, int(need + gate.RESERVE) - 1) is not None  # the reserve is asked for, not assumed
+    assert gate.skip_reason(need, 125e9) is not None  # a 125 GB GPU passed the old 120 GB gate: it cannot hold it
+    assert gate.skip_reason(need, None) is None  # no GPU, no gate (the smoke run's tiny rows)
 
 
 def test_the_1b_rows_fill_an_h100_without_overflowing_it(llama_1b):
@@ -57,7 +57,7 @@ def test_the_1b_rows_fill_an_h100_without_overflowing_it(llama_1b):
     assert sizes["batch"] * sizes["seq"] * gpu.ACCUMULATION >= 16_384  # tokens per step: MFU worth quoting
     estimates = [gpu.estimate(impl, strategy, ckpt, sizes, ON_A_GPU, llama_1b)
                  for impl, strategy in gpu.SETUPS for ckpt in (False, True)]
-    assert all(gpu.skip_reason(e, H100) is None for e in estimates), [e / 1e9 for e in estimates]
+    assert all(gate.skip_reason(e, H100) is None for e in estimates), [e / 1e9 for e in estimates]
     assert max(estimates) > 0.4 * H100  # the hungriest setup uses a good part of the GPU
 
 
@@ -97,7 +97,7 @@ def test_the_table_has_the_reserved_peak_and_says_it_is_blind_to_nccl():
     rows = [row("torch", "fsdp", False, 0.40, 30e9, 31e9, reserved=33e9),
             row("minidist", "fsdp", False, 0.41, 31e9, 31e9, reserved=34.5e9),
             {"model": "CodeLlama-7b", "impl": "minidist", "strategy": "fsdp", "checkpointing": True,
-             "estimate": 134.8e9, "error": gpu.skip_reason(134.8e9, H100)}]
+             "estimate": 134.8e9, "error": gate.skip_reason(134.8e9, H100)}]
     text = gpu_report.table(rows)
     assert text.startswith("Blind to NCCL: world size 1") and "local copies" in text
     header = next(line for line in text.splitlines() if line.startswith("| model |"))
@@ -148,3 +148,20 @@ def test_the_snapshot_records_one_step_where_cuda_exists(tmp_path, monkeypatch):
     assert calls[-1] == ("record", None, None)
     assert snapshot.record_step(lambda: None, torch.device("cpu"), tmp_path / "cpu.pickle") is None
     assert not (tmp_path / "cpu.pickle").exists() and snapshot.reserved_peak(torch.device("cpu")) is None
+
+
+def test_a_row_that_does_not_fit_is_not_built(llama_1b, monkeypatch, capsys):
+    from minidist.bench import offload
+
+    sizes, nowhere = gpu.SIZES["gpu"], "/no/model/here"  # building from it would raise
+    need = gpu.estimate("torch", "ddp", False, sizes, ON_A_GPU, llama_1b)
+    monkeypatch.setattr(gpu, "gpu_memory", lambda device: need + gate.RESERVE - 1)  # a byte short
+    row = gpu.run_setup("torch", "ddp", False, nowhere, sizes, ON_A_GPU, llama_1b)
+    assert row["error"].startswith(f"skipped: estimate {need / 1e9:.1f} GB + 5 GB reserve > GPU"), row
+    assert "Llama 1.01B torch/ddp checkpointing off: skipped" in capsys.readouterr().out
+    need = offload.estimate("fsdp", False, sizes, ON_A_GPU, llama_1b, gpu.ACCUMULATION)["peak"]
+    monkeypatch.setattr(offload, "gpu_memory", lambda device: need + gate.RESERVE - 1)
+    row = offload.run("fsdp", False, nowhere, sizes, ON_A_GPU, llama_1b, [], gpu.ACCUMULATION, 1, 16)
+    assert row["error"].startswith(f"skipped: estimate {need / 1e9:.1f} GB"), row
+    table = offload.offload_table([row], 16)
+    assert f"| minidist/fsdp | off | 1 | skipped: estimate {need / 1e9:.1f} GB" in table, table
