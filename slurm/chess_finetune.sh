@@ -164,10 +164,12 @@ if (( NNODES > 1 && ! CHOSEN )); then
 fi
 
 # A checkpoint from an earlier start of this job (or an earlier job with this OUTPUT_DIR): go on from it.
+# A start killed just after publishing its first checkpoint leaves no `latest` yet: --resume finds
+# the checkpoint all the same (the newest complete one, and says so).
 RESUME=()
-if [[ -f "$OUTPUT_DIR/latest" ]]; then
+if [[ -f "$OUTPUT_DIR/latest" || -n $(find "$OUTPUT_DIR" -maxdepth 1 -regex '.*/checkpoint-[0-9]+' -print -quit 2>/dev/null) ]]; then
     RESUME=(--resume)
-    echo "resuming from $OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest")"
+    echo "resuming from $( [[ -f $OUTPUT_DIR/latest ]] && echo "$OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest")" || echo "the newest complete checkpoint in $OUTPUT_DIR")"
 fi
 
 # The warning signal's path: this shell -> srun, which forwards USR1 to its task on every node

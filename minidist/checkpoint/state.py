@@ -37,16 +37,26 @@ ranks hash the files together (`checksums.py`); then rank 0 writes `checkpoint.j
 manifest: what the checkpoint holds, every file's size and checksum, and a checksum of the
 manifest itself) and publishes with one `os.rename` to `checkpoint-N`, then replaces the `latest`
 pointer (a text file naming the folder) by the same write-then-rename. A rename is atomic within
-one file system; that is why nothing is ever published by writing in place. So a kill at any
-moment leaves `latest` naming either the checkpoint it named before the save or the new one,
-never half a name, and both complete; `verify` refuses a checkpoint whose bytes changed since.
-Only the newest K checkpoints are kept (`--save_total_limit`), removed after `latest` moved on.
+one file system; that is why nothing is ever published by writing in place. Only the newest K
+checkpoints are kept (`--save_total_limit`), removed after `latest` moved on, manifest first.
 
-One exception. A run resumed from an older checkpoint can reach a step it had saved before: its
-save then renames the old `checkpoint-N` aside to `checkpoint-N.replaced` first, and the new one
-to `checkpoint-N` second. A kill between those two renames, while `latest` still names the old
-`checkpoint-N`, leaves it naming a folder that is not there (`find` says so, in one line); the
-old checkpoint is still whole under its `.replaced` name.
+**Safe at every instant.** A kill can come between any two of those system calls, and the
+requeued job must go on by itself. `latest` names a complete checkpoint at every instant but one:
+after the run's first checkpoint is renamed into place and before `latest` exists. And a run
+resumed from an older checkpoint can reach a step it had saved before: its save points `latest`
+at the newest other complete checkpoint first, then renames the old `checkpoint-N` aside to
+`checkpoint-N.replaced` and the new one to `checkpoint-N`. So `find` never trusts `latest` alone:
+when it is missing, or names a folder that is gone or incomplete, `--resume` goes on from the
+newest complete checkpoint and says so in a line (`tests/checkpoint/test_kill_at_every_step.py`
+resumes the folder a kill at every rename and fsync leaves). A checkpoint is complete when its
+manifest is intact and every file has its size; `verify` then checks every byte of the one chosen.
+Rotation, the clean-up of `.tmp` folders and `--overwrite_output_dir` touch only the names minidist
+writes (`output_dir.OURS`): a user's `checkpoint-best/` is left alone.
+
+**Data, never code.** DCP's `.metadata` is a pickle, and so are a sharded checkpoint's non-tensor
+entries: read by PyTorch's own reader they run whatever they name. They are read through
+`data_only.py`, which admits the checkpoint's own types alone; the checksums would not stop a
+planted payload, since whoever hands over a folder can recompute them.
 
 On several nodes, `--output_dir` must be a file system they all share, as DCP assumes too.
 
