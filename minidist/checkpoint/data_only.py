@@ -72,7 +72,10 @@ class DataOnlyReader(FileSystemReader):
     """DCP's file-system reader, its metadata unpickled by `MetadataUnpickler` (see module doc)."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))  # `.metadata`, or `__<rank>.metadata`
+        if hasattr(self, "_get_metadata_path"):  # newer torch: `.metadata`, or a rank's own `__<rank>.metadata`
+            path = self._get_metadata_path(kwargs.get("rank"))
+        else:
+            path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as stream:
             metadata = MetadataUnpickler(stream).load()
         if not isinstance(metadata, Metadata):
