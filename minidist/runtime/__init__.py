@@ -8,4 +8,6 @@ this folder.
   each rank's result or failure brought back.
 - `errors.py`: the one-line errors a learner meets, and exit status 2.
 - `metrics.py`: metrics.jsonl, one record per step, the step's line on the screen, and MFU.
+- `host_syncs.py`: how many times a step waits for the GPU (`.item()`, `if tensor:`, `.tolist()`,
+  ...), counted op by op, each with the line that asked.
 """
