@@ -161,11 +161,11 @@ def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum) -> dict
     - a gather (in bf16, of a bf16 copy of the fp32 shard): minidist all-gathers straight into
       the unit's full buffer; FSDP2 into a buffer of its own, then copies out into the weights,
       and lets the buffer go (in forward, only at the next unit's copy-out);
-    - forward: the root is gathered first and stays gathered while the layers run; each layer is
-      gathered with the next one prefetched, and freed after its forward; activations grow layer
-      by layer. minidist frees the root after forward; FSDP2 keeps it gathered for backward;
-    - backward: the root is gathered again (minidist); the output layer's gradient comes first,
-      the embedding's last. Per layer: the unit is gathered with the one before prefetched, a
+    - forward: the root is gathered first (minidist starts the first layer's gather before it
+      waits for the root's) and stays gathered while the layers run, and on into backward (both
+      implementations: FSDP2's reshard_after_forward=False for the root); each layer is gathered
+      with the next one prefetched, and freed after its forward; activations grow layer by layer;
+    - backward: the output layer's gradient comes first, the embedding's last. Per layer: the unit is gathered with the one before prefetched, a
       checkpointed layer's activations come back, the weights' gradients arrive while the
       activations go; minidist's autograd concatenates them into one flat gradient (split's
       backward; both for a moment); the gradient is cast or copied to an fp32 reduce-scatter
@@ -174,7 +174,9 @@ def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum) -> dict
       one, by minidist after): its input goes, its output is the shard's gradient. Under FSDP2,
       gloo copies a reduce-scatter's input while the collective runs;
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
-      in the compute dtype (FSDP2: in its fp32 reduce dtype); this backward adds into it.
+      in the fp32 reduce dtype (both implementations); this backward adds into it. minidist adds
+      the new gradient into that sum at the unit's post-backward and reduce-scatters the sum
+      itself: no fp32 copy is made for the reduction.
     Under LoRA (`whole` is the model, `trained` its adapters) a unit is gathered whole, but only
     its adapters get gradients and are reduced; minidist's frozen shard is kept in the compute
     dtype, so only the trainable one is cast to be sent (FSDP2 keeps both in fp32, and casts
@@ -201,7 +203,7 @@ class _FsdpWalk(_Timeline):
         else:
             self.root, self.layers, self.rest = (whole.num_params, trained.num_params), [], acts["saved"]
         self.head = trained.head_linear_params if self.layers else self.root[1]  # the output layer's trained part
-        self.kept_grad = 4 if self.torch_impl else compute_bytes  # bytes per element of the accumulated full gradients
+        self.kept_grad = 4  # bytes per element of the accumulated full gradients: the fp32 reduce dtype
         super().__init__({**kept, "accumulated gradients": self.kept_grad * trained.num_params if accum else 0})
         # minidist's offload keeps the compute-dtype shard on the device: it is sent as it is.
         self.offload = setup.options.cpu_offload and not self.torch_impl
@@ -260,17 +262,18 @@ class _FsdpWalk(_Timeline):
         """Forward through the root and the layers: the worst moment of it. What is alive at its end
         is where backward starts."""
         self.start_gather(self.root)
-        self.finish_gather(self.root, linger=True)
+        if self.torch_impl:
+            self.finish_gather(self.root, linger=True)
         if self.layers:
             self.start_gather(self.layers[0])
+        if not self.torch_impl:  # minidist: the first layer's gather in flight with the root's
+            self.finish_gather(self.root)
         for i, unit in enumerate(self.layers):
             self.gather(unit, self.layers[i + 1] if i + 1 < len(self.layers) else None, linger=True)
             self.add("activations", self.kept_acts[i])
             self.add("gathered units", -self.held(unit))
         self.add("activations", self.rest + self.acts["weight_copies"])
         self.add("logits", self.acts["logits"])  # the head's output, its fp32 copy and log-probabilities
-        if not self.torch_impl:
-            self.add("gathered units", -self.compute_bytes * self.root[0])
         self.add("gathered units", -self.compute_bytes * self.lingering)  # FSDP2: backward's first copy-out lets it go
         self.lingering = 0
         forward, self.worst = self.worst, dict(self.live)
@@ -279,9 +282,6 @@ class _FsdpWalk(_Timeline):
     def backward(self) -> dict:
         """Backward from the loss to the embedding: the worst moment of it."""
         root, layers, head = self.root, self.layers, self.head
-        if not self.torch_impl:
-            self.start_gather(root)
-            self.finish_gather(root)
         self.add("logits", -self.acts["logits"])  # consumed by the output layer's backward, which makes its gradient
         self.add("gradients", self.fresh * head)
         self.add("activations", -self.rest - self.acts["weight_copies"])  # the loss's and the output layer's
@@ -343,7 +343,8 @@ class _FsdpWalk(_Timeline):
             self.add("gradients", -self.fresh * trained)
         if self.torch_impl:
             self.finish_pending()
-        into = 0 if self.compute_bytes == 4 and not self.torch_impl else 4 * trained
+        # minidist sends the flat gradient itself in fp32, and with accumulation the fp32 sum it was added to.
+        into = 0 if not self.torch_impl and (self.compute_bytes == 4 or self.accum) else 4 * trained
         self.add("reduce-scatters", into)  # the fp32 input: a cast, or FSDP2's copy
         # Then the gradient it came from goes.
         self.add(self.full, -(self.kept_grad if self.accum else self.compute_bytes) * trained if into else 0)
