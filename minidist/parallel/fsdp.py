@@ -50,9 +50,10 @@ micro-batches, not 2.
 
 **Two streams** (`streams.py`). On a GPU the all-gathers run on one side stream and the
 reduce-scatters on another (HSDP's all-reduces on a third), as FSDP2's `all_gather_stream` and
-`reduce_scatter_stream`: in backward unit i-2's gather does not queue behind unit i's
-reduce-scatter, as it would on the process group's one NCCL stream. The compute stream waits for
-each collective's event before it reads the result. On a CPU the same calls are gloo's
+`reduce_scatter_stream`: in backward unit i-2's gather is not queued behind unit i's
+reduce-scatter, as it would be on the process group's one NCCL stream (whether NCCL then runs the
+two at once is its own affair: `streams.py`). The compute stream waits for each collective's event
+before it reads the result. On a CPU the same calls are gloo's
 asynchronous collectives, as before.
 
 **Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at

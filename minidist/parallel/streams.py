@@ -18,6 +18,13 @@ the compute stream `wait_event` it before anything reads the result. A `SideStre
 stream, for one kind of collective: `launch(collective, *tensors)` runs it there and returns a handle
 whose `wait()` makes the compute stream wait for it. `fsdp.py` keeps one per kind.
 
+What two streams guarantee is the CUDA order only: the gather is no longer queued behind the
+reduce-scatter, and the compute stream waits for nothing it does not read. Whether two NCCL kernels
+of one process group (one communicator) then make progress at the same time is NCCL's business and
+not promised (NCCL issue #217: "no guarantee that two NCCL operations will be able to make progress
+concurrently"; PyTorch issue #137390: NCCL may serialize collectives issued to one communicator).
+Only a GPU trace shows what happens.
+
 **Memory across streams (the lesson).** PyTorch's CUDA caching allocator hands a freed block to the
 next allocation *on the stream that allocated it*, without waiting for other streams. A tensor that
 a side stream still reads or writes, freed on the compute stream, can be handed out again and
@@ -48,8 +55,8 @@ class SideStream:
     """A stream for one kind of collective (all-gathers, reduce-scatters), or gloo's thread on a CPU.
 
     `streams`: the module that makes streams and events, `torch.cuda` on a CUDA device; None (a CPU)
-    for none. A test passes a fake with the same four names (`Stream`, `current_stream`, `stream`,
-    and the streams' `wait_stream`, `record_event`, `wait_event`)."""
+    for none. A test passes a fake with the same names (`Stream`, `current_stream`, `stream`, and
+    the streams' `wait_stream`, `record_event`, `wait_event`)."""
 
     def __init__(self, device: torch.device, priority: int = HIGH_PRIORITY, streams=None):
         self.device = device
