@@ -3,21 +3,24 @@
 `gpu.py` calls `compare` after its main table, on the same Llama and batches: for each of the two
 strategies, the step time without offload and with it (median of the timed steps, and the ratio),
 and the device's peak: on a GPU the allocator's counter (`torch.cuda.max_memory_allocated`, which
-pinned host memory does not enter), on the CPU the device side of `memory/sides.py`'s split.
-Beside them the estimate's device and host columns (`memory/offload_split.py`). What to expect
-on a GPU: the device peak falls by the 12 bytes per parameter of masters and moments (ZeRO-2: of
-its shard), and the step grows by the CPU's AdamW and the PCIe copies (`parallel/offload.py`).
+pinned host memory does not enter; `max_memory_reserved` beside it), on the CPU the device side of
+`memory/sides.py`'s split. Beside them the estimate's device and host columns
+(`memory/offload_split.py`). What to expect on a GPU: the device peak falls by the 12 bytes per
+parameter of masters and moments (ZeRO-2: of its shard), and the step grows by the CPU's AdamW
+and the PCIe copies (`parallel/offload.py`).
 
-A row runs where its estimate fits the GPU (`gate.py`), as in `gpu.py`. Each row is timed on the CPU threads one rank of a torchrun job on this node would have
-(`threads.job_threads`): with offload, the rank's share of the cores (`use_cores_for_offload`);
-without, torchrun's OMP_NUM_THREADS=1 where it sets it. An offloaded row whose count differs from
-this process's is timed on all of this process's threads too, so the difference shows.
+A row runs where its estimate fits the GPU (`gate.py`), as in `gpu.py`. Each row is timed on the
+CPU threads one rank of a torchrun job on this node would have (`threads.job_threads`): with
+offload, the rank's share of the cores (`use_cores_for_offload`); without, torchrun's
+OMP_NUM_THREADS=1 where it sets it. An offloaded row whose count differs from this process's is
+timed on all of this process's threads too, so the difference shows.
 """
 
 import statistics
 
 import torch
 
+from minidist.bench import snapshot
 from minidist.bench import threads as cpu_threads
 from minidist.bench.gate import gpu_memory, skip_reason
 from minidist.bench.strategies import time_steps
@@ -92,7 +95,8 @@ def run(strategy_name, cpu_offload, source, sizes, env, shape, batches, accumula
         with cpu_threads.using(all_threads):
             on_all = statistics.median(time_steps(step, sizes["steps"]))
     return {**row, "median": statistics.median(times), "on_all_threads": on_all,
-            "device_peak": _device_peak(step, model, optimizer, env.device)}
+            "device_peak": _device_peak(step, model, optimizer, env.device),
+            "reserved": snapshot.reserved_peak(env.device)}  # the same step's: step_peak reset the counters
 
 
 def compare(source, sizes, env, shape, batches, accumulation, ranks_per_node: int, environ) -> str:
@@ -126,18 +130,19 @@ def threads_line(decided: dict, ranks_per_node: int, all_threads: int) -> str:
 
 def offload_table(rows: list[dict], all_threads: int) -> str:
     columns = ("| setup | --cpu_offload | CPU threads | step (median) | step / no offload "
-               f"| step on all {all_threads} threads | device peak (MB) | estimate: device, host (MB) |")
-    lines = [columns, "|" + " --- |" * 8]
+               f"| step on all {all_threads} threads | device peak (MB) | reserved (MB) | estimate: device, host (MB) |")
+    lines = [columns, "|" + " --- |" * 9]
     plain = {r["strategy"]: r for r in rows if not r["offload"] and "error" not in r}
     for r in rows:
         estimate = f"{r['estimate_device'] / 1e6:.1f}, {r['estimate_host'] / 1e6:.1f}" if r["offload"] else ""
         start = f"| minidist/{r['strategy']} | {'on' if r['offload'] else 'off'} | {r['threads']} |"
         if "error" in r:
-            lines.append(f"{start} {r['error']} | | | | {estimate} |")
+            lines.append(f"{start} {r['error']} | | | | | {estimate} |")
             continue
         base = plain.get(r["strategy"])
         ratio = f"{r['median'] / base['median']:.2f}x" if base else "-"
         on_all = f"{r['on_all_threads'] * 1e3:.1f} ms" if r["on_all_threads"] is not None else ""
+        reserved = f"{r['reserved'] / 1e6:.1f}" if r["reserved"] is not None else ""
         lines.append(f"{start} {r['median'] * 1e3:.1f} ms | {ratio} | {on_all} | {r['device_peak'] / 1e6:.1f} "
-                     f"| {estimate} |")
+                     f"| {reserved} | {estimate} |")
     return "\n".join(lines)

@@ -35,7 +35,8 @@ def job_threads(environ: Mapping[str, str], usable_cores: int, default_threads: 
     """(threads, where the figure comes from) for one rank of a torchrun job of `ranks_per_node`
     ranks on this node. With `cpu_offload`, the loop's own decision (`offload_threads`, what
     `use_cores_for_offload` sets). Without, the rank keeps what it started with: torchrun's
-    OMP_NUM_THREADS, or PyTorch's default (`default_threads`, this process's) where none is set."""
+    OMP_NUM_THREADS, or where none is set the count it would start with (`default_threads`: this
+    process's, PyTorch's default on a GPU node)."""
     worker = torchrun_environ(environ, ranks_per_node)
     if cpu_offload:
         return offload_threads(worker, usable_cores)
@@ -43,7 +44,7 @@ def job_threads(environ: Mapping[str, str], usable_cores: int, default_threads: 
     if chosen.isdigit() and int(chosen) >= 1:
         set_by = "torchrun" if "OMP_NUM_THREADS" not in environ else "the environment"
         return int(chosen), f"OMP_NUM_THREADS={chosen}, set by {set_by}"
-    return default_threads, "PyTorch's default: OMP_NUM_THREADS unset and one rank per node"
+    return default_threads, "this process's: OMP_NUM_THREADS unset and one rank per node, torchrun sets nothing"
 
 
 @contextlib.contextmanager

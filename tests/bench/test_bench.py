@@ -74,6 +74,7 @@ def test_the_gpu_check_runs_its_code_on_the_cpu_with_smoke(tmp_path):
                                                for o in ("off", "on")]  # bench/offload.py's rows
     assert all(" ms" in r[3] and RATIO.fullmatch(r[4]) for r in offload), offload
     assert [r[2] for r in offload if r[1] == "off"] == ["1", "1"], offload  # timed on torchrun's one thread
+    assert all(r[7] == "" for r in offload), offload  # no reserved peak on the CPU
     assert any(line.startswith("gloo at world size 1, one decoder layer") for line in lines)
     assert "Goals:" in lines and any(line.startswith("peak within 5% of the estimate") for line in lines)
     assert "memory snapshot: none (the CUDA allocator records it; there is none on the CPU)" in lines

@@ -67,7 +67,7 @@ def test_mfu_is_against_989_tflops_on_an_h100_and_an_h200():
 
 @pytest.mark.parametrize("environ,ranks,offload,expected", [
     ({}, 4, False, (1, "OMP_NUM_THREADS=1, set by torchrun")),  # torchrun's rule for N > 1 ranks
-    ({}, 1, False, (16, "PyTorch's default")),  # one rank: torchrun sets nothing
+    ({}, 1, False, (16, "this process's")),  # one rank: torchrun sets nothing
     ({"OMP_NUM_THREADS": "6"}, 4, False, (6, "OMP_NUM_THREADS=6, set by the environment")),
     ({"SLURM_CPUS_PER_TASK": "32"}, 4, True, (8, "SLURM_CPUS_PER_TASK=32 shared by 4 ranks")),  # the capstone's
     ({}, 4, True, (16, "64 usable cores shared by 4 ranks")),
