@@ -182,17 +182,13 @@ def _train(args, env, session: Session, around_train_step) -> dict:
             results["stopped"] = session.stopped
             break
     bar.close()
-    session.stop_catching()
     if log:
         log.close()
-    if "stopped" in results:  # not finished: no evaluation, no final model; the checkpoint has it all
+    if "stopped" not in results:  # the steps are done: evaluate and write the model, a stop still heard
+        _finish(args, env, session, model, strategy, games, say, results)
+    session.stop_catching()
+    if "stopped" in results:  # not finished: the checkpoint has it all
         session.say_stopped()
-        return results
-    results["rate_after"] = _legal_rate("after training", model, games, strategy, env, say)
-    full_state = None if args.no_save else strategy.full_state_dict(model)
-    session.write_final_model(strategy.unwrap(model), full_state, args.save_dtype, args.model, games.tokenizer,
-                              {k: results[k] for k in ("rate_before", "rate_after")})
-    results["parameters"] = full_state
     return results
 
 
@@ -271,6 +267,24 @@ def _legal_rate(when: str, model, games: Games, strategy, env, say) -> float | N
         result = legal_moves.legal_move_rate(model, games.tokenizer, games.prefixes, env.device)
     say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
     return result["legal_move_rate"]
+
+
+def _finish(args, env, session: Session, model, strategy, games, say, results: dict) -> None:
+    """After the last step: the legal-move rate, then the fine-tuned model (`results` gets both).
+
+    The stop signals still hold. A stop asked during the evaluation or the write ends the run at
+    the boundary after it, as after a step (`session.stopped_at_end`: a checkpoint of the last step,
+    status 75), and `--resume` then does only this: no step is left to train."""
+    preemption.pause_if_asked("eval", session.last["step"])  # a test hook, idle unless MINIDIST_PAUSE_AT says so
+    results["rate_after"] = _legal_rate("after training", model, games, strategy, env, say)
+    if session.stopped_at_end("the evaluation"):
+        results["stopped"] = session.stopped
+        return
+    results["parameters"] = None if args.no_save else strategy.full_state_dict(model)
+    session.write_final_model(strategy.unwrap(model), results["parameters"], args.save_dtype, args.model,
+                              games.tokenizer, {k: results[k] for k in ("rate_before", "rate_after")})
+    if session.stopped_at_end("the final model write"):
+        results["stopped"] = session.stopped
 
 
 def _silent(*args, **kwargs) -> None:

@@ -8,11 +8,19 @@ the order a run meets them:
    put back on the way out, even when an error ends the run (`preemption.handlers_kept`).
 2. **The checkpoint to resume**, found and verified before the model loads (`check_resume`, with
    `state.find` and `state.verify`): a wrong one costs one line, not a model load.
-3. **The stop signals**, caught from then on (`catch_stop_signals`: `preemption.StopSignals`).
+3. **The stop signals**, caught from then on (`catch_stop_signals`: `preemption.StopSignals`),
+   until the model is written.
 4. **After every step** (`after_step`) the ranks vote on a stop, and save a checkpoint together
    every `--save_steps` and when any of them was asked to stop (`state.Checkpointer`).
 5. **At the end**, the fine-tuned model (`write_final_model`: `final_model.py`); or, when a signal
    stopped the run, the line that says which checkpoint holds it all (`say_stopped`).
+
+The end is no safe harbour: the final evaluation takes seconds to minutes, the write of a 7B model
+as long, and a scheduler's SIGTERM comes when it comes. So the ranks vote after the evaluation and
+after the write as after a step (`stopped_at_end`): a stop asked during either saves a checkpoint
+of the last step (or keeps the one `--save_steps` saved for it) and exits 75, and `--resume` loads
+it with no step left to train, so it only evaluates and writes the model. Killed there instead,
+a run with the default `--save_steps 0` would lose every step.
 """
 
 from contextlib import ExitStack
@@ -20,6 +28,7 @@ from pathlib import Path
 
 from minidist.checkpoint import final_model, preemption, state
 from minidist.checkpoint.output_dir import claimed
+from minidist.runtime.distributed import wait_for_rank0
 
 
 class Session:
@@ -33,6 +42,7 @@ class Session:
         self.save_steps, self.keep, self.form = save_steps, keep, form  # --save_steps, --save_total_limit, ...
         self.run = self.resume_path = self.stop_signals = self.checkpoints = None
         self.stopped = None  # after a stop: the signal, the step and the checkpoint saved
+        self.last = None  # the last step done: its number, data position, `extra` and checkpoint (None: unsaved)
         self._held = ExitStack()
 
     def __enter__(self) -> "Session":
@@ -52,7 +62,8 @@ class Session:
             self.resume_path = state.verify(state.find(self.resume_from, self.out), run)
 
     def catch_stop_signals(self) -> None:
-        """From here SIGTERM, SIGUSR1 and SIGINT (or the stop file) mean: save after this step, stop."""
+        """From here SIGTERM, SIGUSR1, SIGINT and SIGHUP (or the stop file, or a dead launcher) mean:
+        save after this step, stop."""
         self.stop_signals = preemption.StopSignals()
 
     def follow(self, strategy, model, optimizer, scheduler, tokenizer) -> None:
@@ -67,6 +78,8 @@ class Session:
         if self.resume_path is None:
             return None
         restored = self.checkpoints.load(self.resume_path)
+        self.last = {"step": restored["step"], "position": restored["position"], "extra": restored["extra"],
+                     "checkpoint": self.resume_path}  # no step may be left: the end needs it
         epoch, offset = restored["position"]
         if self.env.is_main:
             print(f"resumed from {self.resume_path} at step {restored['step']} (data epoch {epoch}, offset {offset})")
@@ -79,28 +92,48 @@ class Session:
         preemption.pause_if_asked("step", step)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
         # All ranks vote: all stop after this step (a nan loss or gradient: they stop unsaved, in one line).
         stop = self.stop_signals.agreed(self.env.device, record)
+        self.last = {"step": step, "position": position, "extra": extra, "checkpoint": None}
         if stop or (self.save_steps and step % self.save_steps == 0):
-            saved = self.checkpoints.save(step, position, self.metrics_path, extra)
+            self.last["checkpoint"] = self.checkpoints.save(step, position, self.metrics_path, extra)
         if stop:
-            self.stopped = {"signal": self.stop_signals.received(), "step": step, "checkpoint": saved}
+            self.stopped = {"signal": self.stop_signals.received(), "step": step, "checkpoint": self.last["checkpoint"]}
         return stop
 
+    def stopped_at_end(self, stage: str) -> bool:
+        """Every rank calls it after the final evaluation and after the final write (`stage` names
+        which): the same vote as after a step. True: a stop was asked during `stage`, and the
+        checkpoint of the last step holds the run, saved now unless one was saved for that step
+        already (by `--save_steps`, or the one this run resumed from)."""
+        if not self.stop_signals.agreed(self.env.device):
+            return False
+        kept = self.last["checkpoint"] is not None
+        if not kept:
+            self.last["checkpoint"] = self.checkpoints.save(self.last["step"], self.last["position"],
+                                                            self.metrics_path, self.last["extra"])
+        self.stopped = {"signal": self.stop_signals.received(), "step": self.last["step"],
+                        "checkpoint": self.last["checkpoint"], "during": stage, "kept": kept}
+        return True
+
     def stop_catching(self) -> None:
-        """Put back the handlers the stop signals had before `catch_stop_signals`."""
+        """Put back the handlers the stop signals had before `catch_stop_signals` (once the model is
+        written, or the run stopped)."""
         self.stop_signals.restore()
 
     def say_stopped(self) -> None:
         """On rank 0, after a stop: which signal, after which step, and the checkpoint that was saved."""
         if self.env.is_main:
             preemption.say_stopped(self.stopped["signal"] or "a peer's signal", self.stopped["step"],
-                                   self.stopped["checkpoint"])
+                                   self.stopped["checkpoint"], self.stopped.get("during"), self.stopped.get("kept"))
 
     def write_final_model(self, model, full_state: dict | None, dtype_choice: str, name_or_path: str, tokenizer,
                           rates: dict) -> None:
         """On rank 0: `eval.json` and, unless `full_state` is None (`--no_save`), the fine-tuned model
-        in `model/` (`final_model.write`; a full disk ends the run in one line)."""
-        if not self.env.is_main:
-            return
-        final_model.write(self.out, model, full_state, dtype_choice, name_or_path, tokenizer, rates)
-        if full_state is not None:
-            print(f"saved the fine-tuned model to {self.out / 'model'}")
+        in `model/` (`final_model.write`; a full disk ends the run in one line). Every rank calls it:
+        the others wait for the write on a barrier with an hour's timeout, as they wait for rank 0's
+        load, and not in the vote after it, under the process group's timeout (ten minutes)."""
+        preemption.pause_if_asked("write", self.last["step"])  # a test hook, idle unless MINIDIST_PAUSE_AT says so
+        if self.env.is_main:
+            final_model.write(self.out, model, full_state, dtype_choice, name_or_path, tokenizer, rates)
+            if full_state is not None:
+                print(f"saved the fine-tuned model to {self.out / 'model'}")
+        wait_for_rank0()
