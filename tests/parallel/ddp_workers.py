@@ -66,7 +66,9 @@ def scratch_reduce_scatter(shard_size):
 
 def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket_cap_mb):
     """Train the hand-written DDP (naive, then bucketed; fp32, then fp64) from weights that
-    differ by rank.
+    differ by rank; then the bucketed one in fp32 again under the NCCL-like harness
+    (`tests/nccl_like.py`: its bucket all-reduces deferred to `wait()`, the buckets NaN until
+    then), as variant "bucketed/nccl-like". (The naive one's all-reduces are synchronous.)
 
     Rank 0 keeps the weights in `model_dir`; the other ranks add noise to theirs before wrapping,
     so only the broadcast at wrap time can make the runs agree with the reference.
@@ -75,35 +77,47 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
     from minidist.chess import jsonl
     from minidist.chess.games import bundled_games
     from minidist.hf import models
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
-    from train_workers import train_steps
+    from nccl_like import under
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
     sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, seq_len)
     sampler = batches.GlobalBatchSampler(len(sequences), micro_batch * env.world_size * accum, seed=0)
     results = {}
-    for variant, dtype in [(v, d) for d in (torch.float32, torch.float64) for v in ("naive", "bucketed")]:
-        torch.manual_seed(env.rank)
-        model = models.load_model(model_dir, dtype=dtype)
-        model.get_parameter(frozen).requires_grad_(False)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * env.rank)
-        checksum_before = sum(p.double().sum().item() for p in model.parameters())
-        strategy = get_strategy(ParallelOptions("ddp", "minidist", ddp_variant=variant, bucket_cap_mb=bucket_cap_mb), env)
-        model = strategy.wrap(model)
-        optimizer = strategy.build_optimizer(model, lr)
-        strategy.take_comm_bytes()
-        losses, _, comm_bytes, _ = train_steps(model, strategy, optimizer, sequences, sampler, tokenizer.pad_token_id,
-                                               micro_batch, steps)
-        results[variant, str(dtype)] = {
-            "losses": losses, "comm_bytes": comm_bytes, "checksum_before": checksum_before,
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "parameters": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
-        }
+    variants = [(v, d) for d in (torch.float32, torch.float64) for v in ("naive", "bucketed")]
+    for variant, dtype in variants + [("bucketed/nccl-like", torch.float32)]:
+        with under(variant.endswith("nccl-like")):
+            results[variant, str(dtype)] = _train_ddp(model_dir, variant.split("/")[0], dtype, tokenizer, sequences,
+                                                      sampler, micro_batch, steps, lr, frozen, bucket_cap_mb)
     return results
+
+
+def _train_ddp(model_dir, variant, dtype, tokenizer, sequences, sampler, micro_batch, steps, lr, frozen, bucket_cap_mb):
+    """One of `ddp_parity`'s runs: what the test checks."""
+    from minidist.hf import models
+    from minidist.parallel.options import ParallelOptions
+    from minidist.parallel.strategy import get_strategy
+    from train_workers import train_steps
+
+    env = get_env()
+    torch.manual_seed(env.rank)
+    model = models.load_model(model_dir, dtype=dtype)
+    model.get_parameter(frozen).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * env.rank)
+    checksum_before = sum(p.double().sum().item() for p in model.parameters())
+    strategy = get_strategy(ParallelOptions("ddp", "minidist", ddp_variant=variant, bucket_cap_mb=bucket_cap_mb), env)
+    model = strategy.wrap(model)
+    optimizer = strategy.build_optimizer(model, lr)
+    strategy.take_comm_bytes()
+    losses, _, comm_bytes, _ = train_steps(model, strategy, optimizer, sequences, sampler, tokenizer.pad_token_id,
+                                           micro_batch, steps)
+    return {
+        "losses": losses, "comm_bytes": comm_bytes, "checksum_before": checksum_before,
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "parameters": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+    }
 
 
 def overlap_order(model_dir, bucket_cap_mb):

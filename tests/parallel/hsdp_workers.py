@@ -1,5 +1,7 @@
 """Worker functions for tests/parallel/test_hsdp.py, run in each rank by `launch(..., nodes=2)`."""
 
+from nccl_like import under
+
 
 from minidist.runtime.distributed import get_env
 
@@ -38,3 +40,15 @@ def one_step_bytes(model_dir, strategies, seq_len=32):
                      "local": (env.local_rank, env.local_world_size),
                      "grads": [u.flat_param.grad.clone() for u in model.units]}
     return out
+
+
+def run_finetunes_nccl_like(argvs, nccl_like=()):
+    """`train_workers.run_finetunes`, with the runs whose index is in `nccl_like` under the NCCL-like
+    harness (`tests/nccl_like.py`): one start-up for the plain runs and their twins."""
+    from train_workers import run_finetune
+
+    results = []
+    for i, argv in enumerate(argvs):
+        with under(i in nccl_like):
+            results.append(run_finetune(argv))
+    return results

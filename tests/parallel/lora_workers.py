@@ -12,7 +12,11 @@ from minidist import finetune
 from minidist.parallel import strategy as strategies
 
 
-def run_lora_finetunes(argvs):
+def run_lora_finetunes(argvs, nccl_like=()):
+    """Each run as the training script; those whose index is in `nccl_like` under the NCCL-like
+    harness (`tests/nccl_like.py`)."""
+    from nccl_like import under
+
     held = {}
     # Every rank calls full_state_dict once training is over (the final model): hold its model.
     classes = (strategies.Strategy, strategies.ShardedByHand, strategies.TorchFSDP)
@@ -28,8 +32,9 @@ def run_lora_finetunes(argvs):
         cls.full_state_dict = holding(originals[cls])
     results = []
     try:
-        for argv in argvs:
-            result = finetune.train(finetune.parse_args(argv))
+        for i, argv in enumerate(argvs):
+            with under(i in nccl_like):
+                result = finetune.train(finetune.parse_args(argv))
             model = held.pop("model")
             result["frozen"] = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
                                 if not p.requires_grad and type(p) is torch.nn.Parameter}  # not FSDP2's DTensors

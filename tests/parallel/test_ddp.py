@@ -3,7 +3,8 @@
 The model has tied weights (embedding = output layer) and a frozen parameter; ranks start from
 different weights; batches are chess games of different lengths. Whatever the world size and the
 accumulation, both DDPs must give the losses and weights of one process training on the whole
-global batch, and send 2·P·(N-1)/N gradient elements per optimizer step, once.
+global batch, and send 2·P·(N-1)/N gradient elements per optimizer step, once; the bucketed one
+also under the NCCL-like harness (`tests/nccl_like.py`), where it must be the plain run, bit for bit.
 """
 
 import pytest
@@ -69,6 +70,13 @@ def test_ddp_matches_one_process_and_sends_two_p_per_step(tied_model, references
             assert run["trainable"] == trainable
             bytes_per_element = 8 if dtype == "torch.float64" else 4
             assert run["comm_bytes"] == [2 * trainable * (world - 1) / world * bytes_per_element] * STEPS
+    # Under the NCCL-like harness (tests/nccl_like.py: every bucket's all-reduce deferred to its
+    # wait(), the bucket NaN until then) the bucketed DDP is the plain run, bit for bit.
+    for rank in ranks:
+        got, want = rank["bucketed/nccl-like", "torch.float32"], rank["bucketed", "torch.float32"]
+        assert got["losses"] == want["losses"]
+        for name, tensor in want["parameters"].items():
+            assert torch.equal(got["parameters"][name], tensor), name
 
 
 def test_bucket_all_reduces_start_while_backward_still_runs(tied_model):

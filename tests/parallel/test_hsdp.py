@@ -8,7 +8,9 @@ over S ranks, 3P(S-1)/S elements, and across nodes the all-reduce of its gradien
 R copies, 2(P/S)(R-1)/R, which is less than what flat FSDP's ring sends across nodes. It must
 save and resume (sharded and full checkpoints, `parallel/flat_state.py`): a run resumed from a
 checkpoint of step 2 ends bitwise where the uninterrupted run ends. And the memory estimate of
-hsdp with S ranks per copy is fsdp's on S ranks, plus the replicate all-reduce's shard.
+hsdp with S ranks per copy is fsdp's on S ranks, plus the replicate all-reduce's shard. The
+hand-written runs are trained again under the NCCL-like harness (`tests/nccl_like.py`): bit for
+bit the plain runs.
 """
 
 import json
@@ -22,7 +24,7 @@ from minidist.step import lr_schedule
 from minidist.runtime.launch import launch
 from minidist.memory import estimator, hybrid
 from reference import train_reference
-from hsdp_workers import one_step_bytes
+from hsdp_workers import one_step_bytes, run_finetunes_nccl_like
 from train_workers import run_finetunes
 
 STEPS, SEQ, LR, SEED, GLOBAL_BATCH = 4, 48, 3e-3, 3, 8
@@ -31,6 +33,8 @@ WORLD, NODES = 4, 2
 # "+offload": with --cpu_offload, whose masters and step live on the host (parallel/offload.py).
 RUNS = [("minidist", 2, 1, "sharded"), ("minidist", 1, 2, "full"), ("torch", 2, 1, "sharded"),
         ("torch", 1, 2, "sharded"), ("minidist", 1, 2, "sharded+offload")]
+# The hand-written runs trained again under the NCCL-like harness (tests/nccl_like.py), in the same launch.
+NCCL_LIKE = [("minidist", 2, 1, "sharded"), ("minidist", 1, 2, "sharded+offload")]
 
 
 def argv_for(model, out, impl, batch, accum, form, *extra):
@@ -56,14 +60,22 @@ def runs(tiny_model, tmp_path_factory):
     fresh folder (a second launch): {run: (uninterrupted, resumed, output folder)}."""
     root = tmp_path_factory.mktemp("hsdp")
     argvs = [argv_for(tiny_model, root / f"{impl}-{b}x{a}-{form}", impl, b, a, form) for impl, b, a, form in RUNS]
-    whole = launch(run_finetunes, WORLD, argvs, nodes=NODES, timeout_s=900)[0]
+    twins = [argv_for(tiny_model, root / f"{impl}-{b}x{a}-{form}-nccl-like", impl, b, a, form)
+             for impl, b, a, form in NCCL_LIKE]
+    whole = launch(run_finetunes_nccl_like, WORLD, argvs + twins, range(len(argvs), len(argvs) + len(twins)),
+                   nodes=NODES, timeout_s=900)[0]
+    whole, twins = whole[:len(argvs)], whole[len(argvs):]
     resumed_argvs = []
     for (impl, b, a, form), argv in zip(RUNS, argvs):
         out = root / f"{impl}-{b}x{a}-{form}-resumed"
         shutil.copytree(root / f"{impl}-{b}x{a}-{form}" / "checkpoint-2", out / "checkpoint-2")
         resumed_argvs.append(argv_for(tiny_model, out, impl, b, a, form, "--resume", str(out / "checkpoint-2")))
     resumed = launch(run_finetunes, WORLD, resumed_argvs, nodes=NODES, timeout_s=900)[0]
-    return {run: (w, r, root / "{}-{}x{}-{}".format(*run)) for run, w, r in zip(RUNS, whole, resumed)}
+    out = {run: (w, r, root / "{}-{}x{}-{}".format(*run)) for run, w, r in zip(RUNS, whole, resumed)}
+    # The twins, keyed ("minidist/nccl-like", ...): trained, not resumed.
+    out.update({(f"{impl}/nccl-like", *rest): (twin, None, root / "{}-{}x{}-{}-nccl-like".format(impl, *rest))
+                for (impl, *rest), twin in zip(NCCL_LIKE, twins)})
+    return out
 
 
 @pytest.mark.parametrize("impl,batch,accum,form", RUNS)
@@ -76,6 +88,17 @@ def test_hsdp_matches_one_process(runs, reference, impl, batch, accum, form):
     assert result["parameters"].keys() == ref_params.keys()
     for name, ref in ref_params.items():
         torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=name)
+
+
+@pytest.mark.parametrize("impl,batch,accum,form", NCCL_LIKE)
+def test_hsdp_under_the_nccl_like_harness_is_the_plain_run(runs, impl, batch, accum, form):
+    """The reduce-scatters within a node and the all-reduces across nodes deferred to `wait()`,
+    their outputs NaN until then, minidist on its NCCL branches: the plain run, bit for bit."""
+    plain, _, _ = runs[impl, batch, accum, form]
+    twin, _, _ = runs[f"{impl}/nccl-like", batch, accum, form]
+    assert twin["losses"] == plain["losses"]
+    for name, tensor in plain["parameters"].items():
+        assert torch.equal(twin["parameters"][name], tensor), name
 
 
 @pytest.mark.parametrize("impl,batch,accum,form", RUNS)

@@ -4,6 +4,8 @@ The reference (tests/reference.py) applies peft's `get_peft_model` itself and tr
 global batch in one process. Every strategy, on 2 ranks with 2 accumulation steps, must give the
 same losses and LoRA weights (fp32, tight), leave the frozen base bit-identical on every rank,
 send only the adapters' gradients, and write an adapter that `PeftModel.from_pretrained` loads.
+Each hand-written strategy also under the NCCL-like harness (`tests/nccl_like.py`): the plain run,
+bit for bit.
 """
 
 import json
@@ -40,6 +42,10 @@ CASES = [  # (implementation, strategy, extra flags): 2 ranks x 1 sequence x 2 a
 ]
 
 
+# Trained again under the NCCL-like harness (tests/nccl_like.py), in the same launch: each hand-written strategy.
+NCCL_LIKE = [case for case in CASES if case[0] == "minidist"][:4]
+
+
 def argv_for(model, out, impl, strategy, extra):
     name = f"{impl}-{strategy}{''.join(extra)}".replace("--", "-")
     return ["--model", model, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR),
@@ -72,7 +78,9 @@ def runs(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora")
     argvs = [argv_for(tiny_model, out, *case) for case in CASES]
     argvs.append(argv_for(tiny_model, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))
-    ranks = launch(run_lora_finetunes, 2, argvs, timeout_s=900)
+    twins = [argv_for(tiny_model, out / "nccl-like", *case) for case in NCCL_LIKE]
+    ranks = launch(run_lora_finetunes, 2, argvs + twins, range(len(argvs), len(argvs) + len(twins)), timeout_s=900)
+    argvs += twins
     return {tuple(argv): [rank[i] for rank in ranks] for i, argv in enumerate(argvs)}, out
 
 
@@ -116,6 +124,21 @@ def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, refe
         base = model_shape(tiny_model).num_params
         for r in records:
             assert 0 <= r["comm_bytes"] - (4 * (base + trained) + trained) * (2 - 1) / 2 * 4 < 5 * 6 * 4
+
+
+@pytest.mark.parametrize("impl,strategy,extra", NCCL_LIKE)
+def test_lora_under_the_nccl_like_harness_is_the_plain_run(tiny_model, runs, impl, strategy, extra):
+    """Adapters' reductions and the frozen base's all-gathers (FSDP) deferred to `wait()`, their
+    outputs NaN until then: the plain run's losses, weights and frozen copies, bit for bit."""
+    results, out = runs
+    plain = results[tuple(argv_for(tiny_model, out, impl, strategy, extra))]
+    twin = results[tuple(argv_for(tiny_model, out / "nccl-like", impl, strategy, extra))]
+    for got, want in zip(twin, plain):
+        assert got["losses"] == want["losses"]
+        for key in ("parameters", "frozen"):
+            assert (got[key] or {}).keys() == (want[key] or {}).keys(), key
+            for name, tensor in (want[key] or {}).items():
+                assert torch.equal(got[key][name], tensor), name
 
 
 def test_fsdp_keeps_the_frozen_base_in_bf16_and_tracks_fp32(tiny_model, references, runs):

@@ -5,7 +5,8 @@
   with and without accumulation, give the same losses, gradient norms and weights, bit for bit,
   as without offload (which tests/parallel/test_zero_fsdp.py holds to the single-process reference; the
   fp32 runs here are held to it too). PyTorch's FSDP2 with its `CPUOffloadPolicy` against itself
-  without: bit for bit as well.
+  without: bit for bit as well. And each hand-written one under the NCCL-like harness
+  (`tests/nccl_like.py`), on 1 and 2 ranks: bit for bit the run without it.
 - **Where things live**: masters, their gradients and Adam's moments on the host; the weights
   the device computes with (FSDP: its compute-dtype shard) on the device.
 - **Resume**: a checkpoint written with offload (sharded for FSDP and ZeRO-1, full for ZeRO-2)
@@ -35,17 +36,21 @@ def llama(tmp_path_factory):
                                        tie_word_embeddings=True))
 
 
-def variants():
-    """Each sharded strategy, fp32 and bf16, without and with offload; PyTorch's FSDP2 in fp32."""
+def variants(accum):
+    """Each sharded strategy, fp32 and bf16, without and with offload; PyTorch's FSDP2 in fp32.
+    And each sharded strategy offloaded under the NCCL-like harness (`tests/nccl_like.py`), fp32
+    without accumulation and bf16 with it."""
     out = [dict(strategy=s, steps=STEPS, mixed_precision=p, cpu_offload=o)
            for s in SHARDED for p in ("fp32", "bf16") for o in (False, True)]
+    out += [dict(strategy=s, steps=STEPS, mixed_precision="fp32" if accum == 1 else "bf16", cpu_offload=True,
+                 nccl_like=True) for s in SHARDED]
     return out + [dict(strategy="fsdp", steps=STEPS, impl="torch", cpu_offload=o) for o in (False, True)]
 
 
 @pytest.fixture(scope="module")
 def parity_runs(llama):
     """{world: rank 0's {accumulation: {variant: result}}}: one launch per world size."""
-    plan = [(accum, llama, accum, variants()) for accum in (1, 2)]
+    plan = [(accum, llama, accum, variants(accum)) for accum in (1, 2)]
     return {world: launch(run_plan, world, plan, GLOBAL_BATCH, SEQ, LR, BUCKET_CAP_MB, timeout_s=600)[0]
             for world in (1, 2)}
 
@@ -63,6 +68,24 @@ def test_offload_trains_exactly_as_without(parity_runs, llama, world, accum):
         assert got["parameters"].keys() == want["parameters"].keys()
         for key, tensor in want["parameters"].items():
             assert torch.equal(got["parameters"][key], tensor), f"{name} {key}"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_offload_under_the_nccl_like_harness_is_the_plain_run(parity_runs, world, accum):
+    """Under the harness minidist takes its NCCL branches: a host shard goes through
+    `flat.collective_device` before any collective (as a GPU rank sends it through its GPU), a
+    host tensor given to a collective straight would raise, the collectives run at `wait()`. The
+    runs are the plain offloaded ones, bit for bit; at least one host tensor went that way."""
+    runs = parity_runs[world][accum]
+    twins = [name for name in runs if name.endswith("/nccl-like")]
+    assert len(twins) == len(SHARDED)
+    for name in twins:
+        got, want = runs[name], runs[name[:-len("/nccl-like")]]
+        assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"], name
+        for key, tensor in want["parameters"].items():
+            assert torch.equal(got["parameters"][key], tensor), f"{name} {key}"
+        assert got["host_tensors_routed"] > 0, name
 
 
 def test_offload_in_fp32_matches_one_process(parity_runs, llama):

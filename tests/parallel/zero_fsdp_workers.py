@@ -15,11 +15,11 @@ from minidist.runtime.distributed import get_env
 
 
 def variant_name(strategy, mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False,
-                 impl="minidist") -> str:
-    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`, `torch/fsdp/offload`."""
+                 impl="minidist", nccl_like=False) -> str:
+    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`, `torch/fsdp/offload`, `zero1/nccl-like`."""
     parts = [*(["torch"] if impl == "torch" else []), strategy, *(["bf16"] if mixed_precision == "bf16" else []),
              *([] if wrap else ["no-wrap"]), *(["ckpt"] if checkpointing else []), *(["meta"] if meta else []),
-             *(["offload"] if cpu_offload else [])]
+             *(["offload"] if cpu_offload else []), *(["nccl-like"] if nccl_like else [])]
     return "/".join(parts)
 
 
@@ -56,8 +56,23 @@ def run_plan(plan, global_batch, seq_len, lr, bucket_cap_mb):
     return results
 
 
-def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, strategy, steps,
-              mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False, impl="minidist"):
+def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, nccl_like=False, **variant):
+    """`train_variant`, under the NCCL-like harness (`tests/nccl_like.py`) with nccl_like=True: every
+    collective from wrapping to the gathered weights deferred to its `wait()`, minidist on its
+    NCCL branches; the result says then how many host tensors (`--cpu_offload`) went to a collective
+    through `flat.collective_device`, as a GPU rank sends them through its GPU."""
+    from nccl_like import under
+
+    with under(nccl_like) as harness:
+        result = train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, **variant)
+    if nccl_like:
+        result["host_tensors_routed"] = harness.routed_count
+    return result
+
+
+def train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, strategy, steps,
+                  mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False,
+                  impl="minidist"):
     """Train one variant from weights that differ by rank; return what the tests check.
 
     Rank 0 keeps the weights in `model_dir`; the other ranks add noise to theirs before wrapping
