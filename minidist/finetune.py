@@ -99,13 +99,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train(args, around_train_step=None) -> dict:
+# The times one optimizer step of the loop may make the host wait for the device in our code, whatever
+# the number of micro-batches: each is a value the CPU needs now (runtime/host_syncs.py counts them,
+# tests/loop/test_host_syncs.py holds the loop to this). Everything else stays on the device, each
+# micro-batch's loss too (step.train_step adds them there). Only the first falls inside the timed step;
+# the others come after the device has finished it (the loop synchronises there on a GPU, to time it).
+HOST_SYNCS_PER_STEP = {
+    "gradient norm": 1,  # clipping scales by it on the device, then hands it back as a number for the record
+    "loss": 1,  # the global batch's loss, summed over ranks, for the log line
+    "memory by rank": 1,  # every rank's figures for the record, in one read (memory/measure.gather)
+    "bytes across nodes by rank": 1,  # every rank's, in one read (parallel/across_nodes.take_split)
+    "stop vote": 1,  # did any rank get a stop signal, or diverge? (checkpoint/preemption.StopSignals.agreed)
+}
+
+
+def train(args, around_train_step=None, around_step=None) -> dict:
     """Run the whole job on this rank; return what it measured (the tests compare these).
 
     Code that only measures subscribes through `around_train_step`: a function called once per
     step that returns a context manager, which the loop enters around `train_step` (the step's
     forward and backward). `notebooks/workers_06.py` counts CPU seconds there; the loop does not
-    know what is measured."""
+    know what is measured. `around_step` is the same around the whole step, from its batches to its
+    record and stop vote: `tests/loop/test_host_syncs.py` counts the step's host syncs there."""
     env = init_distributed()
     if args.cpu_offload:  # AdamW steps on the host: this rank's share of the CPU cores, not torchrun's one thread
         line = use_cores_for_offload(env)  # every rank sets its threads; rank 0 says how many
@@ -114,10 +129,10 @@ def train(args, around_train_step=None) -> dict:
     session = Session(args.output_dir, env, resume=args.resume, overwrite=args.overwrite_output_dir,
                       save_steps=args.save_steps, keep=args.save_total_limit, form=args.checkpoint_format)
     with session:  # this run's output folder alone, and the signal handlers put back after it (session.py)
-        return _train(args, env, session, around_train_step or nullcontext)
+        return _train(args, env, session, around_train_step or nullcontext, around_step or nullcontext)
 
 
-def _train(args, env, session: Session, around_train_step) -> dict:
+def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     """The run, in the order a learner reads it: options, strategy, model, optimizer, the steps."""
     torch.manual_seed(args.seed + env.rank)  # ranks differ on purpose: wrapping must make them agree
     if not env.is_main:
@@ -149,38 +164,39 @@ def _train(args, env, session: Session, around_train_step) -> dict:
     recorder = metrics.StepRecorder(num_params, config, env.device, env.world_size)
     bar = tqdm(total=args.max_steps, initial=start, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(start, args.max_steps):
-        t0 = time.perf_counter()
-        micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.rank,
-                                                            mesh.size, micro_bs, pad_token_id, env.device)
-        lr = scheduler.get_last_lr()[0]
-        with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
-            with around_train_step():  # whatever a caller measures (see `train`); nothing by default
-                loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
-            grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
-            optimizer.step()
-        memory = meter.read(model, optimizer)  # before zero_grad: the gradients are still held
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        total = loss_sum.clone()
-        dist.all_reduce(total, group=mesh.group)  # the loss over the whole global batch, for the log
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
-        step_time = time.perf_counter() - t0
-        memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
-        lengths = [len(games.sequences[i]) for i in games.sampler.global_batch(step)]
-        record = recorder.record(step + 1, total.item() / num_targets, lr, grad_norm, step_time, lengths, memory,
-                                 strategy.take_comm_bytes(split=True))
-        results["losses"].append(record["loss"])
-        if log:
-            log.write(record)
-            if step % args.log_every == 0 or step + 1 == args.max_steps:
-                tqdm.write(metrics.format_step(record, args.max_steps))
-            bar.update()
-            bar.set_postfix(loss=f"{record['loss']:.3f}")
-        kept = {"rate_before": results["rate_before"]}  # in the checkpoint beside the training state
-        if session.after_step(step + 1, record, games.sampler.position(step + 1), kept):  # saves, votes on a stop
-            results["stopped"] = session.stopped
-            break
+        with around_step():  # whatever a caller measures of the whole step (see `train`); nothing by default
+            t0 = time.perf_counter()
+            micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.rank,
+                                                                mesh.size, micro_bs, pad_token_id, env.device)
+            lr = scheduler.get_last_lr()[0]
+            with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
+                with around_train_step():  # whatever a caller measures (see `train`); nothing by default
+                    loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
+                grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
+                optimizer.step()
+            memory = meter.read(model, optimizer)  # before zero_grad: the gradients are still held
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            total = loss_sum.clone()
+            dist.all_reduce(total, group=mesh.group)  # the loss over the whole global batch, for the log
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            step_time = time.perf_counter() - t0
+            memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
+            lengths = [len(games.sequences[i]) for i in games.sampler.global_batch(step)]
+            record = recorder.record(step + 1, total.item() / num_targets, lr, grad_norm, step_time, lengths, memory,
+                                     strategy.take_comm_bytes(split=True))
+            results["losses"].append(record["loss"])
+            if log:
+                log.write(record)
+                if step % args.log_every == 0 or step + 1 == args.max_steps:
+                    tqdm.write(metrics.format_step(record, args.max_steps))
+                bar.update()
+                bar.set_postfix(loss=f"{record['loss']:.3f}")
+            kept = {"rate_before": results["rate_before"]}  # in the checkpoint beside the training state
+            if session.after_step(step + 1, record, games.sampler.position(step + 1), kept):  # saves, votes on a stop
+                results["stopped"] = session.stopped
+                break
     bar.close()
     if log:
         log.close()

@@ -86,3 +86,16 @@ def gloo_worker_threads() -> int:
         except OSError:  # the thread ended while we looked
             pass
     return sum(name.startswith("pt_gloo") for name in names)
+
+
+def count_host_syncs(argvs) -> list:
+    """Several runs, each step under `minidist.runtime.host_syncs.HostSyncs`: for each run, what
+    it counted on this rank (tests/loop/test_host_syncs.py)."""
+    from minidist.runtime.host_syncs import HostSyncs
+
+    counted = []
+    for argv in argvs:
+        syncs = HostSyncs("cpu")
+        finetune.train(finetune.parse_args(argv), around_step=syncs.step)
+        counted.append(syncs)
+    return counted

@@ -133,11 +133,12 @@ class StopSignals:
         diverged = not (math.isfinite(loss) and math.isfinite(norm))
         vote = torch.tensor([int(asked), int(diverged)], device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        if vote[1].item():
+        anyone_asked, anyone_diverged = vote.tolist()  # one read of both: one wait for the device, not two
+        if anyone_diverged:
             raise UsageError(f"training diverged: step {record['step']} has loss {loss} and gradient norm {norm}; "
                              f"it was not saved, and the checkpoints before it are intact; lower --learning_rate "
                              f"(or raise --warmup_steps) and start again, or --resume from an earlier checkpoint")
-        return bool(vote[0].item())
+        return bool(anyone_asked)
 
     def restore(self) -> None:
         """Put back the handlers there were before."""

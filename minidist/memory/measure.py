@@ -298,5 +298,5 @@ def gather(memory: dict, device: torch.device) -> dict:
                         device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    table = torch.stack(everyone).cpu()
-    return {k: [None if v < 0 else int(v) for v in table[:, i]] for i, k in enumerate(TERMS)}
+    table = torch.stack(everyone).tolist()  # read once: one wait for the device (runtime/host_syncs.py)
+    return {k: [None if row[i] < 0 else int(row[i]) for row in table] for i, k in enumerate(TERMS)}

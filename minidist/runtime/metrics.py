@@ -37,7 +37,7 @@ class MetricsLog:
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "w", encoding="utf-8")
+        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the whole run: `close`)
 
     def write(self, record: dict) -> None:
         try:
