@@ -15,6 +15,8 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from minidist.checkpoint import output_dir, preemption
 from minidist.runtime.launch import launch
@@ -83,15 +85,20 @@ def test_a_stop_during_the_final_evaluation_saves_exits_75_and_resume_only_evalu
 
 
 def test_a_stop_during_the_final_model_write_on_2_ranks_saves_exits_75_and_resume_finishes(args, tmp_path):
+    """On the hand-written FSDP, whose units the evaluation gathered and the write gathered again: the
+    checkpoint saved after them holds the weights of step 2, and the resumed run writes them again."""
     out = tmp_path / "out"
-    first = interrupt_with_torchrun(args(out), tmp_path / "torchrun.log", signal.SIGTERM, "write:2")
+    first = interrupt_with_torchrun(args(out, "--impl", "minidist", "--strategy", "fsdp"), tmp_path / "torchrun.log",
+                                    signal.SIGTERM, "write:2")
     said = f"stopped by SIGTERM during the final model write after step 2: saved {out / 'checkpoint-2'}"
     assert first["log"].count(said) == 1, first["log"][-3000:]
     assert f"exiting with status {preemption.EXIT_STOPPED}" in first["log"]
     stopped_with_checkpoint_2(out)
-    assert (out / "model" / "config.json").exists()  # the write, under way when the signal came, was finished
+    written = load_file(out / "model" / "model.safetensors")  # the write the signal found under way was finished
 
-    resumed = launch(run_finetune, 2, args(out, "--resume"), timeout_s=300)
+    resumed = launch(run_finetune, 2, args(out, "--impl", "minidist", "--strategy", "fsdp", "--resume"), timeout_s=300)
     assert all("stopped" not in result for result in resumed)
     assert len(resumed[0]["losses"]) == 2  # the two steps' losses, from the checkpoint
     finished_without_a_step(out)
+    for name, tensor in written.items():
+        assert torch.equal(resumed[0]["parameters"][name].to(tensor.dtype), tensor), name
