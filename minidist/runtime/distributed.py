@@ -69,6 +69,7 @@ import gc
 import os
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping
@@ -77,6 +78,9 @@ import torch
 import torch.distributed as dist
 # Imported before any process group exists, on purpose: see "Leaving cleanly" above.
 import torch.distributed.nn  # noqa: F401
+
+from minidist.runtime.errors import UsageError
+from minidist.runtime.roll_call import EVERY_S, RollCall, ranks_named
 
 DEFAULT_TIMEOUT_S = 600.0
 # How long the other ranks wait while rank 0 alone reads the weights (`wait_for_rank0`). The
@@ -135,6 +139,30 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[min(node_id, len(counts) - 1)]
 
 
+def _whole(environ: Mapping[str, str], name: str, default=None) -> int:
+    """The launch variable `name` as a whole number 0 or more (`default` when unset), or one line."""
+    text = environ.get(name)
+    if text is None and default is not None:
+        return default
+    if text is None or not text.strip().isdigit():
+        raise UsageError(f"{name}={text!r} in the environment is not a whole number 0 or more: "
+                         f"a launcher (torchrun, srun) sets it, or leave it unset for one process")
+    return int(text)
+
+
+def _check_launch(where: dict, pairs=(("rank", "world_size"), ("local_rank", "local_world_size"))) -> dict:
+    """Numbers no launcher writes: refused in one line before any rendezvous, which would wait for
+    a rank that cannot exist (RANK=2 of WORLD_SIZE=2) until the timeout. (Under SLURM the local
+    figures are read from a compressed per-node list, and only the global pair is checked.)"""
+    for rank, size in pairs:
+        if where[size] < 1:
+            raise UsageError(f"{size.upper()}={where[size]} in the environment: a world has at least 1 process")
+        if where[rank] >= where[size]:
+            raise UsageError(f"{rank.upper()}={where[rank]} in the environment must be less than "
+                             f"{size.upper()}={where[size]} (ranks count from 0): start the ranks with torchrun")
+    return where
+
+
 def read_launch_env(
     environ: Mapping[str, str], resolve_host: Callable[[str], str] = _first_slurm_host
 ) -> dict:
@@ -144,38 +172,43 @@ def read_launch_env(
     ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr`` and ``master_port``
     (``None`` for "single": the caller picks a free port).
     ``resolve_host`` turns SLURM's node list into the rendezvous host; tests pass a stub.
+    Numbers that no launcher writes (not a number, a rank past the world, a WORLD_SIZE above 1
+    without a RANK) are a UsageError: one line, before anyone waits for a peer.
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         # torchrun (or minidist.runtime.launch). Defaults cover a hand-made single-node launch.
-        world_size = int(environ["WORLD_SIZE"])
-        return dict(
+        rank, world_size = _whole(environ, "RANK"), _whole(environ, "WORLD_SIZE")
+        return _check_launch(dict(
             source="torchrun",
-            rank=int(environ["RANK"]),
+            rank=rank,
             world_size=world_size,
-            local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
-            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+            local_rank=_whole(environ, "LOCAL_RANK", rank),
+            local_world_size=_whole(environ, "LOCAL_WORLD_SIZE", world_size),
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
-        )
+            master_port=_whole(environ, "MASTER_PORT", DEFAULT_MASTER_PORT),
+        ))
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         # srun with one task per GPU: SLURM plays torchrun's role.
         per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-        node_id = int(environ.get("SLURM_NODEID", 0))
+        node_id = _whole(environ, "SLURM_NODEID", 0)
         addr = environ.get("MASTER_ADDR") or resolve_host(environ["SLURM_JOB_NODELIST"])
         # Every task must agree on the port without talking to each other: derive it from
         # the job id they share, so two jobs on one node do not collide.
-        port = environ.get("MASTER_PORT")
-        if port is None:
-            port = DEFAULT_MASTER_PORT + int(environ.get("SLURM_JOB_ID", 0)) % 1000
-        return dict(
+        port = _whole(environ, "MASTER_PORT", DEFAULT_MASTER_PORT + _whole(environ, "SLURM_JOB_ID", 0) % 1000)
+        return _check_launch(dict(
             source="slurm",
-            rank=int(environ["SLURM_PROCID"]),
-            world_size=int(environ["SLURM_NTASKS"]),
-            local_rank=int(environ.get("SLURM_LOCALID", 0)),
+            rank=_whole(environ, "SLURM_PROCID"),
+            world_size=_whole(environ, "SLURM_NTASKS"),
+            local_rank=_whole(environ, "SLURM_LOCALID", 0),
             local_world_size=_tasks_on_node(per_node, node_id) if per_node else 1,
             master_addr=addr,
-            master_port=int(port),
-        )
+            master_port=port,
+        ), pairs=(("rank", "world_size"),))
+    if environ.get("WORLD_SIZE", "1").strip() != "1" or environ.get("RANK", "0").strip() != "0":
+        # Half a launch: a world of one would train alone what the user meant for several.
+        given = " ".join(f"{k}={environ[k]}" for k in ("RANK", "WORLD_SIZE") if k in environ)
+        raise UsageError(f"{given} in the environment without {'WORLD_SIZE' if 'RANK' in environ else 'RANK'}: "
+                         f"start the ranks with torchrun (which sets both), or unset it for one process")
     # A world of one talks only to itself: this machine, any free port (a MASTER_ADDR left
     # over from a batch script could name another node).
     return dict(source="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
@@ -239,13 +272,15 @@ def device_and_backend(local_rank: int, device_type: str | None = None) -> tuple
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(timeout_s: float | None = None, device_type: str | None = None) -> DistEnv:
+def init_distributed(timeout_s: float | None = None, device_type: str | None = None,
+                     wait_line_every_s: float = EVERY_S) -> DistEnv:
     """Join the process group described by the environment, once; return our DistEnv.
 
     Calling it again returns the existing group's DistEnv, so library code may call it
     without asking whether the script already did. ``timeout_s`` (else the environment
-    variable MINIDIST_TIMEOUT_S, else 600 s) bounds how long a collective may wait.
-    ``device_type`` is ``device_and_backend``'s: None picks the GPU where there is one.
+    variable MINIDIST_TIMEOUT_S, else 600 s) bounds how long a collective may wait, and how long
+    the ranks wait for each other here, saying every ``wait_line_every_s`` who is missing
+    (`roll_call.py`). ``device_type`` is ``device_and_backend``'s: None picks the GPU where there is one.
     """
     global _env
     if dist.is_initialized():
@@ -271,16 +306,34 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
         addr = where["master_addr"]
         host = f"[{addr}]" if ":" in addr else addr  # IPv6 literals need brackets in a URL
         init_method = f"tcp://{host}:{port}"
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        rank=where["rank"],
-        world_size=where["world_size"],
-        timeout=timedelta(seconds=timeout_s),
-    )
+    _rendezvous(backend, init_method, where, port, timeout_s, wait_line_every_s)
     ranks = {k: where[k] for k in ("rank", "world_size", "local_rank", "local_world_size")}
     _env = DistEnv(**ranks, device=device, backend=backend)
     return _env
+
+
+def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_s: float, every_s: float) -> None:
+    """`init_process_group`, with the roll taken while the ranks wait for each other (`roll_call.py`),
+    and a rendezvous that times out told in one line naming the ranks that never came."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent gathered the ranks
+    roll = None if agent or where["world_size"] == 1 else RollCall(where["master_addr"], port, where["rank"],
+                                                                    where["world_size"], every_s)
+    if roll:
+        roll.start()
+    start = time.monotonic()
+    try:
+        dist.init_process_group(backend=backend, init_method=init_method, rank=where["rank"],
+                                world_size=where["world_size"], timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:  # torch's DistStoreError is one; a timeout is told as such, anything else raised
+        if roll is None or time.monotonic() - start < 0.9 * timeout_s:
+            raise
+        missing = f"{ranks_named(roll.missing)} never joined" if roll.missing else "the other ranks never joined"
+        raise UsageError(f"{missing} in {timeout_s:.0f} s (rank {where['rank']} of WORLD_SIZE={where['world_size']} "
+                         f"at {where['master_addr']}:{port}): start every rank, with the same MASTER_ADDR, "
+                         f"MASTER_PORT and WORLD_SIZE (torchrun does)") from err
+    finally:
+        if roll:
+            roll.stop()
 
 
 def get_env() -> DistEnv:

@@ -41,7 +41,11 @@ def _rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")).strip()
+    size = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")).strip()
+    if rank.isdigit() and size.isdigit() and int(rank) < int(size):
+        return int(rank)
+    return 0  # numbers no launcher writes (RANK=abc, RANK=2 of 2) are the mistake: this process tells it itself
 
 
 def _store():
