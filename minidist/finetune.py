@@ -25,6 +25,7 @@ long batch, differently for every split.
 """
 
 import argparse
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -85,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overwrite_output_dir", action="store_true", help="delete another run's checkpoints there first")
     args = p.parse_args(argv)
     if args.no_fsdp:
+        if args.strategy != "ddp" and _given("--strategy", sys.argv[1:] if argv is None else argv):
+            p.error(f"--no_fsdp means --strategy ddp: give one or the other, not --strategy {args.strategy} with it")
         args.strategy = "ddp"
     for name in ("batch_size_per_device", "gradient_accumulation_steps", "max_steps", "log_every"):
         if getattr(args, name) < 1:
@@ -94,9 +97,30 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be 0 or more")
     if not args.learning_rate > 0:  # (also NaN) 0 would train nothing; a negative rate climbs the loss
         p.error(f"--learning_rate must be more than 0, got {args.learning_rate}")
+    _check_numbers(p, args)
     if args.max_seq_length < 2:
         p.error("--max_seq_length must be at least 2 (a token and the one that follows it)")
     return args
+
+
+def _given(flag: str, argv: list[str]) -> bool:
+    """Was `flag` on the command line (argparse takes any unambiguous start of it, `--strat` too)?"""
+    return any(len(a.split("=")[0]) > 4 and flag.startswith(a.split("=")[0]) for a in argv if a.startswith("--"))
+
+
+def _check_numbers(p: ArgumentParser, args: argparse.Namespace) -> None:
+    """Values argparse accepts that mean nothing: each once ended in a traceback deep in the run,
+    or trained nonsense in silence (a negative clipping norm flips every gradient and climbs the loss)."""
+    if math.isinf(args.learning_rate):
+        p.error(f"--learning_rate must be finite, got {args.learning_rate}")
+    if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):  # NaN fails both
+        p.error(f"--weight_decay must be a finite number 0 or more, got {args.weight_decay}")
+    if not args.max_grad_norm > 0:  # 0 scales every gradient to nothing; NaN makes every weight NaN
+        p.error(f"--max_grad_norm must be more than 0 (the largest gradient norm kept), got {args.max_grad_norm}")
+    if not 0 <= args.seed < 2 ** 32:  # seed + rank seeds torch and the batch order
+        p.error(f"--seed must be between 0 and {2 ** 32 - 1} (32 bits), got {args.seed}")
+    if not args.output_dir.strip():  # "" would write checkpoints and the model into the current folder
+        p.error(f"--output_dir must name a folder, got {args.output_dir!r}")
 
 
 # The times one optimizer step of the loop may make the host wait for the device in our code, whatever

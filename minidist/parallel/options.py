@@ -20,6 +20,7 @@ or PyTorch's FSDP2 (its `CPUOffloadPolicy`); DDP has no shard to put on the host
 """
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")  # over one group of all the ranks (lesson 00's tables go over these)
@@ -93,8 +94,8 @@ class ParallelOptions:
         if self.cpu_offload and self.strategy == "ddp":
             raise ValueError(f"--cpu_offload needs sharded optimizer states, which {self.name} does not have: use "
                              f"--impl minidist --strategy zero1 or zero2, or --strategy fsdp (either --impl)")
-        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
-            raise ValueError(f"--bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < math.inf:  # NaN too: no bucket ever fills
+            raise ValueError(f"--bucket_cap_mb must be a positive, finite number of MB, got {self.bucket_cap_mb}")
         return self
 
     @staticmethod

@@ -84,6 +84,21 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--strategy", "fsdp", "--hsdp_shard_size", "1"], "error: --hsdp_shard_size only applies to --impl minidist or "
                                                        "torch with --strategy hsdp, not torch/fsdp"),
     (["--strategy", "hsdp", "--hsdp_shard_size", "two"], "error: argument --hsdp_shard_size: invalid int value: 'two'"),
+    # Numbers that parse but mean nothing: each was a traceback, or a run that trained nonsense in silence.
+    (["--impl", "minidist", "--strategy", "ddp", "--bucket_cap_mb", "nan"],
+     "error: --bucket_cap_mb must be a positive, finite number of MB, got nan"),
+    (["--impl", "minidist", "--strategy", "ddp", "--bucket_cap_mb", "inf"],
+     "error: --bucket_cap_mb must be a positive, finite number of MB, got inf"),
+    (["--weight_decay", "nan"], "error: --weight_decay must be a finite number 0 or more, got nan"),
+    (["--weight_decay=-1"], "error: --weight_decay must be a finite number 0 or more, got -1.0"),
+    (["--learning_rate", "inf"], "error: --learning_rate must be finite, got inf"),
+    (["--seed", str(2 ** 64)], f"error: --seed must be between 0 and {2 ** 32 - 1} (32 bits), got {2 ** 64}"),
+    (["--max_grad_norm=-1"], "error: --max_grad_norm must be more than 0 (the largest gradient norm kept), got -1.0"),
+    (["--max_grad_norm", "0"], "error: --max_grad_norm must be more than 0"),
+    (["--max_grad_norm", "nan"], "error: --max_grad_norm must be more than 0"),
+    (["--output_dir", ""], "error: --output_dir must name a folder, got ''"),
+    (["--no_fsdp", "--strategy", "fsdp"], "error: --no_fsdp means --strategy ddp: give one or the other, not "
+                                          "--strategy fsdp with it"),
 ]
 
 
