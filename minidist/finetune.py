@@ -126,11 +126,13 @@ def _check_numbers(p: ArgumentParser, args: argparse.Namespace) -> None:
 # The times one optimizer step of the loop may make the host wait for the device in our code, whatever
 # the number of micro-batches: each is a value the CPU needs now (runtime/host_syncs.py counts them,
 # tests/loop/test_host_syncs.py holds the loop to this). Everything else stays on the device, each
-# micro-batch's loss too (step.train_step adds them there). Only the first falls inside the timed step;
-# the others come after the device has finished it (the loop synchronises there on a GPU, to time it).
+# micro-batch's loss too (step.train_step adds them there), and the gradient norm, which clipping
+# needs only on the device. All come after the device has finished the step (on a GPU the loop waits
+# for it there, to time it: torch.cuda.synchronize, no aten op, not counted): none in the middle.
 HOST_SYNCS_PER_STEP = {
-    "gradient norm": 1,  # clipping scales by it on the device, then hands it back as a number for the record
-    "loss": 1,  # the global batch's loss, summed over ranks, for the log line
+    # the global batch's loss, summed over ranks, for the log line, and the gradient norm clipping
+    # scaled by on the device, for the record: read together, after the step
+    "loss and gradient norm": 1,
     "memory by rank": 1,  # every rank's figures for the record, in one read (memory/measure.gather)
     "bytes across nodes by rank": 1,  # every rank's, in one read (parallel/across_nodes.take_split)
     "stop vote": 1,  # did any rank get a stop signal, or diverge? (checkpoint/preemption.StopSignals.agreed)
@@ -206,9 +208,10 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             step_time = time.perf_counter() - t0
+            summed, norm = torch.stack([total, grad_norm.to(total)]).tolist()  # the step's figures, in one read
             memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
             lengths = [len(games.sequences[i]) for i in games.sampler.global_batch(step)]
-            record = recorder.record(step + 1, total.item() / num_targets, lr, grad_norm, step_time, lengths, memory,
+            record = recorder.record(step + 1, summed / num_targets, lr, norm, step_time, lengths, memory,
                                      strategy.take_comm_bytes(split=True))
             results["losses"].append(record["loss"])
             if log:

@@ -37,7 +37,7 @@ def train_steps(model, strategy, optimizer, sequences, sampler, pad_token_id, mi
         micro_batches = [batches.collate([sequences[i] for i in ids], pad_token_id)
                          for ids in sampler.micro_batches(step, env.rank, env.world_size, micro_batch)]
         loss_sum = train_step(model, strategy, micro_batches, num_targets, env.world_size)
-        grad_norms.append(strategy.clip_grad_norm_(model, 1.0))  # of the averaged gradient, before clipping
+        grad_norms.append(float(strategy.clip_grad_norm_(model, 1.0)))  # of the averaged gradient, before clipping
         optimizer.step()
         if after_optimizer_step is not None:
             after.append(after_optimizer_step())

@@ -211,7 +211,7 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.max_unsharded = max(self.max_unsharded, self.unsharded)
 
     # ------------------------------------------------------------------ what the strategy reads
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_sharded_grad_norm_([u.flat_param.grad for u in self.units if u.flat_param.grad is not None],
                                        max_norm, self.group)
 

@@ -105,9 +105,11 @@ class Strategy:
             return dict.fromkeys(across_nodes.SPLIT_KEYS) if split else None
         return across_nodes.take_split(self.mesh.group, self.env.device) if split else comm.counter.take()
 
-    def clip_grad_norm_(self, model, max_norm: float) -> float:
+    def clip_grad_norm_(self, model, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to `max_norm`; their norm before clipping, as a tensor on the device
+        (read it when the number is needed: each read makes the host wait for the device)."""
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
     def full_state_dict(self, model) -> dict | None:
         """The whole model's weights on rank 0, on the CPU (None on other ranks). Every rank calls it."""

@@ -487,7 +487,7 @@ class ZeroDP(DataParallelWrapper):
         for bucket in self.buckets:
             bucket.refresh_weights(self.group)
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group)
 
     def flats(self) -> list[Flat]:
