@@ -9,6 +9,7 @@ checks first, so that the learner reads one sentence naming the folder and what 
 Hub names are the hub's business (`hub.py`): the checks look at local folders only.
 """
 
+import json
 from pathlib import Path
 
 from minidist.hf import models
@@ -53,6 +54,9 @@ def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | 
     if weights and not any((folder / f).exists() for f in WEIGHT_FILES):
         raise FileNotFoundError(f"model folder {str(folder)!r} has a config but no weights (none of "
                                 f"{', '.join(WEIGHT_FILES[::2])}): point --model at a folder written by save_pretrained")
+    check_config_json(folder)
+    if weights:
+        check_weights(folder)
     from huggingface_hub.errors import StrictDataclassError  # transformers' own check of a config
 
     try:
@@ -67,6 +71,38 @@ def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | 
     if max_seq_length and positions and max_seq_length > positions:
         raise ValueError(f"--max_seq_length {max_seq_length} is longer than the {positions} positions of {str(folder)!r}: "
                          f"pass --max_seq_length {positions} or less")
+
+
+def check_config_json(folder: Path) -> None:
+    """ValueError when the folder's config.json is not a JSON object (an edit gone wrong, a file cut
+    short). transformers would say so in a traceback, and `minidist.memory` would take the folder
+    for a hub name and send the learner to download it."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON ({err.msg}, line {err.lineno}): fix it, or write the model again "
+                         f"(save_pretrained)") from None
+    except (UnicodeDecodeError, RecursionError) as err:  # not text; or nested deeper than Python's parser goes
+        raise ValueError(f"{path} is not JSON ({type(err).__name__}): fix it, or write the model again") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is JSON but not an object of settings: fix it, or write the model again")
+
+
+def check_weights(folder: Path) -> None:
+    """ValueError when a weights file's header is damaged: a safetensors file starts with the length of
+    its JSON header and the header, which says where every tensor lies. A file cut short by a copy or
+    a download, or overwritten at its start, fails there; opening reads the header alone (and maps the
+    file, whose size it checks against the header), so this costs no read of the weights."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{path} is damaged ({reason(err).removeprefix('Error while deserializing header: ')}): "
+                             f"copy or download the model again") from None
 
 
 def reason(err: Exception) -> str:

@@ -6,6 +6,7 @@ that trains can be estimated by changing `-m minidist.finetune` into `-m minidis
 
 import json
 from dataclasses import fields
+from pathlib import Path
 
 from minidist.hf import hub, lora, model_folder, models
 from minidist.runtime.errors import ArgumentParser, one_line_errors
@@ -22,6 +23,8 @@ def checked_source(name: str) -> str:
     source = models.resolve(name) if name == models.TINY else name
     if name not in estimator.BUNDLED and models.is_hub_name(source):
         hub.local_files_only(source)  # raises at once when neither cached nor reachable
+    elif (Path(source).expanduser() / "config.json").is_file():  # a local folder: its config.json must be JSON
+        model_folder.check_config_json(Path(source).expanduser())
     try:
         config = estimator.load_config(source)
     except StrictDataclassError as err:

@@ -57,6 +57,12 @@ def bad(tiny_model, tmp_path_factory):
         shutil.copytree(tiny_model, d / name)
         config = json.loads((d / name / "config.json").read_text())
         (d / name / "config.json").write_text(json.dumps({**config, **change}))
+    for name in ("config_not_json", "header_too_large", "weights_cut_short"):  # damaged files of a saved model
+        shutil.copytree(tiny_model, d / name)
+    (d / "config_not_json" / "config.json").write_text('{"model_type": "llama",')
+    with open(d / "header_too_large" / "model.safetensors", "r+b") as f:
+        f.write((10 ** 12).to_bytes(8, "little"))  # the header's length, in its first 8 bytes
+    os.truncate(d / "weights_cut_short" / "model.safetensors", 20000)  # a copy or a download cut short
     paths = {p.name.split(".")[0]: str(p) for p in d.iterdir()}  # by name without suffix
     return {**paths, "tiny": tiny_model, "dir": str(d)}
 
@@ -84,6 +90,12 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--strategy", "fsdp", "--hsdp_shard_size", "1"], "error: --hsdp_shard_size only applies to --impl minidist or "
                                                        "torch with --strategy hsdp, not torch/fsdp"),
     (["--strategy", "hsdp", "--hsdp_shard_size", "two"], "error: argument --hsdp_shard_size: invalid int value: 'two'"),
+    (["--model", "{config_not_json}"], "error: {config_not_json}/config.json is not JSON (Expecting property name "
+                                       "enclosed in double quotes, line 1): fix it, or write the model again"),
+    (["--model", "{header_too_large}"], "error: {header_too_large}/model.safetensors is damaged (header too large): "
+                                        "copy or download the model again"),
+    (["--model", "{weights_cut_short}"], "error: {weights_cut_short}/model.safetensors is damaged (incomplete "
+                                         "metadata, file not fully covered)"),
     # Numbers that parse but mean nothing: each was a traceback, or a run that trained nonsense in silence.
     (["--impl", "minidist", "--strategy", "ddp", "--bucket_cap_mb", "nan"],
      "error: --bucket_cap_mb must be a positive, finite number of MB, got nan"),
@@ -137,14 +149,24 @@ def test_evaluate(bad, capsys, data_file, expected):
     assert expected.format(**bad) in line
 
 
-def test_evaluate_a_model_without_weights(bad, capsys):
-    line = said(evaluate.main, ["--model", bad["no_weights"]], capsys)
-    assert f"minidist.evaluate: error: model folder '{bad['no_weights']}' has a config but no weights" in line
+EVALUATE_MODELS = [
+    ("{no_weights}", "minidist.evaluate: error: model folder '{no_weights}' has a config but no weights"),
+    ("{config_not_json}", "minidist.evaluate: error: {config_not_json}/config.json is not JSON"),
+    ("{header_too_large}", "minidist.evaluate: error: {header_too_large}/model.safetensors is damaged"),
+]
+
+
+@pytest.mark.parametrize("model,expected", EVALUATE_MODELS, ids=[m for m, _ in EVALUATE_MODELS])
+def test_evaluate_a_damaged_model(bad, capsys, model, expected):
+    line = said(evaluate.main, ["--model", model.format(**bad)], capsys)
+    assert expected.format(**bad) in line
 
 
 MEMORY = [
     (["{hidden_0}"], "minidist.memory: error: the config of '{hidden_0}' says hidden_size: 0"),
     (["{heads_3}"], "minidist.memory: error: the config of '{heads_3}' cannot be a model"),
+    (["{config_not_json}"], "minidist.memory: error: {config_not_json}/config.json is not JSON (Expecting property "
+                            "name enclosed in double quotes, line 1): fix it, or write the model again"),
     (["some-org/not-cached"], "minidist.memory: error: could not load 'some-org/not-cached': it is not in the hub cache"),
     (["tiny", "--strategy", "hsdp", "--world_size", "8", "--hsdp_shard_size", "3"],
      "minidist.memory: error: --hsdp_shard_size must divide the 8 ranks into equal groups, got 3"),
