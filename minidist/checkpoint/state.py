@@ -69,6 +69,7 @@ import json
 import os
 import random
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -224,7 +225,11 @@ def _manifest(path: Path) -> dict:
         raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
                          f"manifest); resume from another checkpoint or start afresh without --resume")
     for name, size in files.items():
-        have = (path / name).stat().st_size if (path / name).exists() else 0
+        found = (path / name).stat() if (path / name).exists() else None
+        if found and not stat.S_ISREG(found.st_mode):  # a FIFO: the checksum would wait for a writer forever
+            raise ValueError(f"checkpoint {path} is damaged: {name} is not a regular file (a pipe, a socket or a "
+                             f"device); resume from another checkpoint or start afresh without --resume")
+        have = found.st_size if found else 0
         if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
             raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
                              f"resume from another checkpoint or start afresh without --resume")

@@ -6,15 +6,18 @@ training script, the evaluation and the notebooks read.
 
 Reading checks every line, because a games file is something a learner writes by hand or by a
 script of their own: an empty file, a line that is not JSON, or an object without `text` would
-otherwise surface much later as an `IndexError` deep inside the tokenizer. The error names the
-file and the line, in one sentence (`ValueError`; the commands print it as one line,
+otherwise surface much later as an `IndexError` deep inside the tokenizer; a line of 500 MB
+would make the tokenizer ask for gigabytes at once, and a FIFO would be waited on forever. The
+error names the file and the line, in one sentence (`ValueError`; the commands print it as one line,
 `runtime/errors.py`).
 """
 
 import itertools
 import json
 import pathlib
+import stat
 
+MAX_LINE_BYTES = 1 << 20  # 1 MiB: the longest games of the hub's dataset are a few kB
 FORMAT = 'each line must be a JSON object such as {"text": "e2e4 e7e5 g1f3 ... 1-0"}'
 
 
@@ -36,9 +39,26 @@ def _text_of(line: str, number: int, path) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"line {number} of {path} is not JSON ({err.msg}): {FORMAT}") from None
+    except RecursionError:  # [[[[...: nested deeper than Python's parser goes
+        raise ValueError(f"line {number} of {path} is not a game (JSON nested too deeply): {FORMAT}") from None
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise ValueError(f'line {number} of {path} has no "text" string: {FORMAT}')
     return record["text"]
+
+
+def _lines(path):
+    """(number, text) of each line, read with a bound: a line longer than `MAX_LINE_BYTES` is refused
+    before it is decoded, parsed or tokenized. (One 500 MB line once made the tokenizer ask for 4-8 GB
+    at once and the process died of SIGABRT; a game is a few hundred bytes.)"""
+    with open(path, "rb") as f:
+        for number in itertools.count(1):
+            line = f.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"line {number} of {path} is longer than {MAX_LINE_BYTES:,} bytes, not a game: "
+                                 f"{FORMAT}")
+            yield number, line.decode("utf-8")
 
 
 def load_games(path):
@@ -53,9 +73,10 @@ def load_games(path):
     if path.suffix != ".jsonl":
         raise ValueError(f"{path} is not a .jsonl file: convert parquet shards first with "
                          f"`python -m minidist.chess.games convert SHARD.parquet --out FILE.jsonl`.")
+    if not stat.S_ISREG(path.stat().st_mode):  # opening a FIFO waits for a writer forever; a device never ends
+        raise ValueError(f"{path} is not a regular file (a pipe, a socket or a device): name a .jsonl file")
     try:
-        with open(path, encoding="utf-8") as f:
-            games = [_text_of(line, n, path) for n, line in enumerate(f, 1) if line.strip()]
+        games = [_text_of(line, n, path) for n, line in _lines(path) if line.strip()]
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not a text file: {FORMAT}") from None
     except PermissionError as err:

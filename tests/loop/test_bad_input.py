@@ -45,6 +45,8 @@ def bad(tiny_model, tmp_path_factory):
         "illegal.jsonl": json.dumps({"text": GAME}) + "\n" + json.dumps({"text": "e2e4 e7e5 e1e3 1-0"}) + "\n",
         "not_parquet.parquet": "not a parquet file",
     }
+    files["long_line.jsonl"] = json.dumps({"text": GAME}) + "\n" + json.dumps({"text": "e2e4 " * 400_000}) + "\n"
+    files["nested.jsonl"] = "[" * 100_000 + "\n"
     for name, text in files.items():
         (d / name).write_text(text)
     (d / "folder.jsonl").mkdir()  # a folder whose name looks like a games file
@@ -73,6 +75,8 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--data", "{not_objects}"], 'error: line 2 of {not_objects} has no "text" string'),
     (["--data", "{broken}"], "error: line 1 of {broken} is not JSON"),
     (["--data", "{folder}"], "error: {folder} is a folder, not a games file"),
+    (["--data", "{long_line}"], "error: line 2 of {long_line} is longer than 1,048,576 bytes, not a game"),
+    (["--data", "{nested}"], "error: line 1 of {nested} is not a game (JSON nested too deeply)"),
     (["--eval_data", "{illegal}", "--eval_prefixes", "2"],
      "error: held-out game 2 is not a legal game: its move 3, 'e1e3', is not a legal UCI move there"),
     (["--learning_rate", "0"], "error: --learning_rate must be more than 0, got 0.0"),
@@ -140,6 +144,8 @@ EVALUATE = [
     ("{not_objects}", 'minidist.evaluate: error: line 2 of {not_objects} has no "text" string'),
     ("{illegal}", "minidist.evaluate: error: held-out game 2 is not a legal game"),
     ("{dir}", "minidist.evaluate: error: {dir} is a folder, not a games file"),
+    ("{long_line}", "minidist.evaluate: error: line 2 of {long_line} is longer than 1,048,576 bytes"),
+    ("{nested}", "minidist.evaluate: error: line 1 of {nested} is not a game (JSON nested too deeply)"),
 ]
 
 
