@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=str(bundled_games("train")), help="training games, jsonl with a `text` field")
     p.add_argument("--eval_data", default=str(bundled_games("test")), help="held-out games for the legal-move rate")
     p.add_argument("--eval_prefixes", type=int, default=200, help="held-out prefixes to judge (0: skip evaluation)")
+    p.add_argument("--illegal_games", choices=("refuse", "skip"), default="refuse",
+                   help="a training game that is not legal chess: refuse the run (the games it trains on are checked), "
+                        "or skip it and say how many were skipped (every game is checked)")
     ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (parallel/options.py)
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
     lora.add_arguments(p)  # --lora_rank, --lora_alpha, ... (lora.py)
@@ -257,8 +260,17 @@ def _check(args, env, session: Session):
         model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
         lora.check(lora_options, args.model)  # its flags, and target modules this model has
         tokenizer = models.load_tokenizer(args.model)
-        sequences = batches.tokenize_games(jsonl.load_games(args.data), tokenizer, args.max_seq_length)
+        texts = jsonl.load_games(args.data)
+        if args.illegal_games == "skip":
+            texts, skipped = legal_moves.check_training_games(texts, args.data, "skip")
+            if skipped and env.is_main:
+                print(f"--illegal_games skip: skipped {skipped} of {skipped + len(texts)} games of {args.data} "
+                      f"(not legal chess)")
+        sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
         sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
+        if args.illegal_games == "refuse":  # the games the steps draw, as the sampler deals them
+            used = {i for step in range(args.max_steps) for i in sampler.global_batch(step)}
+            legal_moves.check_training_games(texts, args.data, "refuse", used)
         prefixes = legal_moves.game_prefixes(jsonl.load_games(args.eval_data), args.eval_prefixes, args.seed)
         # What a checkpoint must share with this run for the resume to be exact (state.verify).
         session.check_resume({"model": state.model_fingerprint(args.model),

@@ -25,6 +25,8 @@ import chess
 import torch
 import torch.distributed as dist
 
+RESULTS = ("1-0", "0-1", "1/2-1/2", "*")  # the last word of every game: python-chess's board.result()
+
 
 def game_prefixes(games: list[str], num_prefixes: int, seed: int = 0) -> list[list[str]]:
     """Cut up to `num_prefixes` games after a random move (at least one move, never the last).
@@ -43,6 +45,15 @@ def game_prefixes(games: list[str], num_prefixes: int, seed: int = 0) -> list[li
 
 
 def _legal(moves: list[str], number: int) -> list[str]:
+    why = _first_illegal_move(moves)
+    if why:
+        raise ValueError(f"held-out game {number} is not a legal game: {why} (write held-out games with "
+                         f"`python -m minidist.chess.games generate`)")
+    return moves
+
+
+def _first_illegal_move(moves: list[str]) -> str | None:
+    """What is wrong with the first move python-chess refuses ("its move 3, 'e1e3', ..."), or None."""
     board = chess.Board()
     for ply, word in enumerate(moves, 1):
         try:
@@ -50,10 +61,38 @@ def _legal(moves: list[str], number: int) -> list[str]:
         except ValueError:  # not UCI at all ("Nf3", "hello")
             move = None
         if move is None or not board.is_legal(move):
-            raise ValueError(f"held-out game {number} is not a legal game: its move {ply}, {word!r}, is not a legal "
-                             f"UCI move there (write held-out games with `python -m minidist.chess.games generate`)")
+            return f"its move {ply}, {word!r}, is not a legal UCI move there"
         board.push(move)
-    return moves
+    return None
+
+
+def why_not_a_game(text: str) -> str | None:
+    """Why `text` is not a legal chess game in the dataset's form ("m1 m2 ... result"), or None."""
+    words = text.split()
+    if not words or words[-1] not in RESULTS:
+        return f"it does not end in a result ({', '.join(RESULTS)})"
+    return _first_illegal_move(words[:-1])
+
+
+def check_training_games(games: list[str], path, policy: str, used=None) -> tuple[list[str], int]:
+    """The training games as `--illegal_games` says, and how many were skipped.
+
+    A file of something else (prose, another notation) or games with illegal moves would train
+    without complaint, and the model would learn them. "refuse": a ValueError names the first such
+    game among those at the indices `used` (the games the run trains on: python-chess checks a few
+    hundred games a second, so all 3,000 bundled ones would cost seconds on every start); None: all.
+    "skip": every game is checked, and only the legal ones are kept."""
+    if policy == "skip":
+        kept = [text for text in games if why_not_a_game(text) is None]
+        if not kept:
+            raise ValueError(f"{path} holds no legal chess game ({len(games)} skipped with --illegal_games skip)")
+        return kept, len(games) - len(kept)
+    for index in sorted(range(len(games)) if used is None else used):
+        why = why_not_a_game(games[index])
+        if why:
+            raise ValueError(f"game {index + 1} of {path} is not a legal chess game: {why}; fix or remove it, or "
+                             f"pass --illegal_games skip")
+    return games, 0
 
 
 def first_word_is_legal(prefix: list[str], continuation: str) -> bool:

@@ -42,9 +42,11 @@ def bad(tiny_model, tmp_path_factory):
         "no_text.jsonl": json.dumps({"moves": GAME}) + "\n",
         "not_objects.jsonl": json.dumps({"text": GAME}) + "\n" + json.dumps([GAME]) + "\n",
         "broken.jsonl": '{"text": "e2e4 e7e5\n',
+        "no_legal.jsonl": json.dumps({"text": "e2e4 e2e4 1-0"}) + "\n",
         "illegal.jsonl": json.dumps({"text": GAME}) + "\n" + json.dumps({"text": "e2e4 e7e5 e1e3 1-0"}) + "\n",
         "not_parquet.parquet": "not a parquet file",
     }
+    files["not_chess.jsonl"] = json.dumps({"text": GAME}) + "\n" + json.dumps({"text": "the quick brown fox"}) + "\n"
     files["long_line.jsonl"] = json.dumps({"text": GAME}) + "\n" + json.dumps({"text": "e2e4 " * 400_000}) + "\n"
     files["nested.jsonl"] = "[" * 100_000 + "\n"
     for name, text in files.items():
@@ -75,6 +77,13 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--data", "{not_objects}"], 'error: line 2 of {not_objects} has no "text" string'),
     (["--data", "{broken}"], "error: line 1 of {broken} is not JSON"),
     (["--data", "{folder}"], "error: {folder} is a folder, not a games file"),
+    (["--data", "{illegal}", "--batch_size_per_device", "2"],
+     "error: game 2 of {illegal} is not a legal chess game: its move 3, 'e1e3', is not a legal UCI move there; fix or "
+     "remove it, or pass --illegal_games skip"),
+    (["--data", "{not_chess}", "--batch_size_per_device", "2"],
+     "error: game 2 of {not_chess} is not a legal chess game: it does not end in a result"),
+    (["--illegal_games", "skip", "--data", "{no_legal}"],
+     "error: {no_legal} holds no legal chess game (1 skipped with --illegal_games skip)"),
     (["--data", "{long_line}"], "error: line 2 of {long_line} is longer than 1,048,576 bytes, not a game"),
     (["--data", "{nested}"], "error: line 1 of {nested} is not a game (JSON nested too deeply)"),
     (["--eval_data", "{illegal}", "--eval_prefixes", "2"],
@@ -124,6 +133,15 @@ def test_finetune(bad, tmp_path, capsys, argv, expected):
     line = said(finetune.main, base + [a.format(**bad) for a in argv], capsys)
     assert expected.format(**bad) in line
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before training
+
+
+def test_finetune_skips_illegal_games_when_asked_and_says_how_many(bad, tmp_path, capsys):
+    finetune.main(["--model", bad["tiny"], "--data", bad["not_chess"], "--illegal_games", "skip", "--output_dir",
+                   str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1", "--no_save",
+                   "--batch_size_per_device", "1"])
+    line = f"--illegal_games skip: skipped 1 of 2 games of {bad['not_chess']} (not legal chess)"
+    assert line in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.fixture(scope="module")
