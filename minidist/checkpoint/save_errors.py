@@ -77,9 +77,12 @@ def give_up_if(why: str | None, tmp: Path, step: int, is_main: bool) -> None:
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left, it would keep the disk full
         (root / "latest.tmp").unlink(missing_ok=True)
-    kept = f"{latest} still names {latest.read_text().strip()}" if latest.exists() else "there is no earlier checkpoint"
+    if latest.exists():
+        kept, again = f"{latest} still names {latest.read_text().strip()}", "run again with --resume"
+    else:  # nothing to resume from: --resume would only be refused
+        kept, again = "there is no earlier checkpoint", "run again (from the start: there is nothing to resume)"
     raise UsageError(f"could not save checkpoint-{step} in {root}: {why}; removed {tmp.name}, and {kept}; "
-                     f"free some space (or lower --save_total_limit) and run again with --resume")
+                     f"free some space (or lower --save_total_limit) and {again}")
 
 
 def refuse_non_finite(optimizer, device, step: int) -> None:
@@ -91,5 +94,8 @@ def refuse_non_finite(optimizer, device, step: int) -> None:
     if dist.is_initialized():
         dist.all_reduce(vote, op=dist.ReduceOp.MIN)
     if not vote.item():
+        # Not always the learning rate: a bf16/fp16 overflow or a batch of bad data end the same way.
         raise UsageError(f"training diverged: the weights after step {step} are not finite (nan or inf), so they were "
-                         f"not saved; lower --learning_rate and start again, or --resume from an earlier checkpoint")
+                         f"not saved; look at the last steps' loss and grad_norm in metrics.jsonl (a learning rate too "
+                         f"high, an overflow in --mixed_precision bf16, or bad data), then resume from an earlier "
+                         f"checkpoint (--resume) if there is one, or start again")
