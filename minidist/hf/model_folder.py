@@ -85,8 +85,8 @@ def check_config_json(folder: Path) -> None:
                          f"(save_pretrained)") from None
     except (UnicodeDecodeError, RecursionError) as err:  # not text; or nested deeper than Python's parser goes
         raise ValueError(f"{path} is not JSON ({type(err).__name__}): fix it, or write the model again") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} is JSON but not an object of settings: fix it, or write the model again")
+    if not isinstance(config, dict):  # a ValueError, as every bad input here: the commands tell those in one line
+        raise ValueError(f"{path} is JSON but not an object of settings: fix it, or write the model again")  # noqa: TRY004
 
 
 def check_weights(folder: Path) -> None:

@@ -79,7 +79,7 @@ class RollCall(threading.Thread):
                                   timeout=timedelta(seconds=min(self.every_s, 5.0)))
             store.set(f"{_KEY}{self.rank}", "1")
             return store
-        except Exception:  # not up yet (rank 0 has not started): try again on the next turn
+        except (OSError, RuntimeError):  # not up yet (rank 0 has not started): try again on the next turn
             return None
 
     def _say(self, store) -> None:
@@ -90,7 +90,7 @@ class RollCall(threading.Thread):
             return
         try:
             self.missing = [r for r in range(self.world_size) if not store.check([f"{_KEY}{r}"])]
-        except Exception:  # the store went away: the rendezvous is ending, one way or the other
+        except RuntimeError:  # the store went away: the rendezvous is ending, one way or the other
             return
         if self.rank == 0 and self.missing:
             joined = self.world_size - len(self.missing)

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from in_process import said
+
 from minidist import evaluate, finetune
 from minidist.checkpoint import state
 

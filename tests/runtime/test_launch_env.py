@@ -2,8 +2,8 @@
 say every period which ranks are missing, and a rendezvous that times out names them in one line."""
 
 import pytest
-
 from in_process import said
+
 from minidist import finetune
 from minidist.runtime import distributed
 from minidist.runtime.errors import UsageError
