@@ -10,6 +10,7 @@ Hub names are the hub's business (`hub.py`): the checks look at local folders on
 """
 
 import json
+import stat
 from pathlib import Path
 
 from minidist.hf import models
@@ -77,7 +78,7 @@ def check_config_json(folder: Path) -> None:
     """ValueError when the folder's config.json is not a JSON object (an edit gone wrong, a file cut
     short). transformers would say so in a traceback, and `minidist.memory` would take the folder
     for a hub name and send the learner to download it."""
-    path = Path(folder) / "config.json"
+    path = _regular(Path(folder) / "config.json")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -89,14 +90,23 @@ def check_config_json(folder: Path) -> None:
         raise ValueError(f"{path} is JSON but not an object of settings: fix it, or write the model again")  # noqa: TRY004
 
 
+def _regular(path: Path) -> Path:
+    """`path`, if it is a regular file: opening a FIFO for reading waits for a writer forever."""
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+        raise ValueError(f"{path} is not a regular file (a pipe, a socket or a device): write the model again")
+    return path
+
+
 def check_weights(folder: Path) -> None:
     """ValueError when a weights file's header is damaged: a safetensors file starts with the length of
     its JSON header and the header, which says where every tensor lies. A file cut short by a copy or
     a download, or overwritten at its start, fails there; opening reads the header alone (and maps the
-    file, whose size it checks against the header), so this costs no read of the weights."""
+    file, whose size it checks against the header), so this costs no read of the weights. A FIFO in
+    its place is refused before anything opens it."""
     from safetensors import SafetensorError, safe_open
 
     for path in sorted(Path(folder).glob("*.safetensors")):
+        _regular(path)
         try:
             with safe_open(str(path), framework="pt") as f:
                 f.keys()

@@ -1,4 +1,4 @@
-"""Nothing opens a FIFO that a command line or a checkpoint's manifest names: opening one for reading waits
+"""Nothing opens a FIFO that a command line, a model folder or a checkpoint's manifest names: opening one for reading waits
 for a writer, forever, before training. Each case is refused in one line.
 
 On code that opens the FIFO, a watchdog thread writes one game into it after a while, so that such code
@@ -6,6 +6,7 @@ goes on (and the test fails) instead of hanging the suite."""
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -53,6 +54,16 @@ def test_finetune_refuses_a_fifo_as_its_data(tiny_model, tmp_path, fifo, capsys)
 def test_evaluate_refuses_a_fifo_as_its_data(tiny_model, fifo, capsys):
     line = said(evaluate.main, ["--model", tiny_model, "--data", str(fifo)], capsys)
     assert f"minidist.evaluate: error: {fifo} is not a regular file" in line
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_model_folder_with_a_fifo_for_a_file_is_refused(tiny_model, tmp_path, make_fifo, capsys, name):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / name).unlink()
+    make_fifo(model / name)
+    line = said(evaluate.main, ["--model", str(model), "--num_prefixes", "1"], capsys)
+    assert f"minidist.evaluate: error: {model / name} is not a regular file" in line
 
 
 def test_a_manifest_entry_naming_a_fifo_is_refused(tmp_path, make_fifo):
