@@ -90,6 +90,7 @@ class Deferred:
         self.outputs = [(t, t.clone()) for t in outputs]  # the poison, to see a write into it
         self.done = False
         harness.pending.append(self)
+        harness.deferred += 1
 
     def is_completed(self) -> bool:
         return self.done
@@ -119,6 +120,7 @@ class NcclLike:
     def __init__(self, backend: str = "nccl"):
         self.backend = backend
         self.pending = []  # handles not yet waited for
+        self.deferred = 0  # how many collectives were deferred to their wait(): the harness was in the way
         self.routed = {}  # id(storage) -> weak reference: host storages that went through collective_device
         self.routed_count = 0  # how many host tensors collective_device sent through "the GPU"
         self.real = {}

@@ -86,9 +86,10 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
     results = {}
     variants = [(v, d) for d in (torch.float32, torch.float64) for v in ("naive", "bucketed")]
     for variant, dtype in variants + [("bucketed/nccl-like", torch.float32)]:
-        with under(variant.endswith("nccl-like")):
+        with under(variant.endswith("nccl-like")) as harness:
             results[variant, str(dtype)] = _train_ddp(model_dir, variant.split("/")[0], dtype, tokenizer, sequences,
                                                       sampler, micro_batch, steps, lr, frozen, bucket_cap_mb)
+        results[variant, str(dtype)]["collectives_deferred"] = harness.deferred if harness else 0
     return results
 
 

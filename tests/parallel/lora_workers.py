@@ -33,8 +33,9 @@ def run_lora_finetunes(argvs, nccl_like=()):
     results = []
     try:
         for i, argv in enumerate(argvs):
-            with under(i in nccl_like):
+            with under(i in nccl_like) as harness:
                 result = finetune.train(finetune.parse_args(argv))
+            result["collectives_deferred"] = harness.deferred if harness else 0
             model = held.pop("model")
             result["frozen"] = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
                                 if not p.requires_grad and type(p) is torch.nn.Parameter}  # not FSDP2's DTensors

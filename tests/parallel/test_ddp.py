@@ -74,6 +74,7 @@ def test_ddp_matches_one_process_and_sends_two_p_per_step(tied_model, references
     # wait(), the bucket NaN until then) the bucketed DDP is the plain run, bit for bit.
     for rank in ranks:
         got, want = rank["bucketed/nccl-like", "torch.float32"], rank["bucketed", "torch.float32"]
+        assert got["collectives_deferred"] >= STEPS  # a bucket's all-reduce at least, every step
         assert got["losses"] == want["losses"]
         for name, tensor in want["parameters"].items():
             assert torch.equal(got["parameters"][name], tensor), name

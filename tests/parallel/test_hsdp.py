@@ -97,6 +97,7 @@ def test_hsdp_under_the_nccl_like_harness_is_the_plain_run(runs, impl, batch, ac
     their outputs NaN until then, minidist on its NCCL branches: the plain run, bit for bit."""
     plain, _, _ = runs[impl, batch, accum, form]
     twin, _, _ = runs[f"{impl}/nccl-like", batch, accum, form]
+    assert twin["collectives_deferred"] >= STEPS  # the harness stood in every step's way
     assert twin["losses"] == plain["losses"]
     for name, tensor in plain["parameters"].items():
         assert torch.equal(twin["parameters"][name], tensor), name

@@ -196,6 +196,10 @@ def test_under_the_nccl_like_harness_every_run_is_the_plain_run(runs, model, wor
         for twin in twins:
             got, want = rank_results[model, accum][twin], rank_results[model, accum][twin[:-len("/nccl-like")]]
             assert_same_run(got, want, f"{model}, world {world}, accumulation {accum}, {twin}, rank {rank}")
+            # The harness stood in every step's way; ZeRO-1's collectives are all synchronous (the
+            # reduce-scatters once backward is over, the all-gathers after the step): nothing to defer.
+            deferred = got["collectives_deferred"]
+            assert (deferred == 0) if twin.startswith("zero1") else (deferred >= STEPS), (twin, deferred)
 
 
 def assert_same_run(got, want, where):

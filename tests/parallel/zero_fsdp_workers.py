@@ -59,14 +59,15 @@ def run_plan(plan, global_batch, seq_len, lr, bucket_cap_mb):
 def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, nccl_like=False, **variant):
     """`train_variant`, under the NCCL-like harness (`tests/nccl_like.py`) with nccl_like=True: every
     collective from wrapping to the gathered weights deferred to its `wait()`, minidist on its
-    NCCL branches; the result says then how many host tensors (`--cpu_offload`) went to a collective
-    through `flat.collective_device`, as a GPU rank sends them through its GPU."""
+    NCCL branches; the result says then how many collectives it deferred, and how many host tensors
+    (`--cpu_offload`) went to a collective through `flat.collective_device`, as a GPU rank sends them
+    through its GPU."""
     from nccl_like import under
 
     with under(nccl_like) as harness:
         result = train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, **variant)
     if nccl_like:
-        result["host_tensors_routed"] = harness.routed_count
+        result.update(collectives_deferred=harness.deferred, host_tensors_routed=harness.routed_count)
     return result
 
 
