@@ -41,13 +41,16 @@ from minidist.checkpoint.session import Session
 from minidist.chess import jsonl, legal_moves
 from minidist.chess.games import bundled_games
 from minidist.hf import lora, model_folder, models
-from minidist.runtime import metrics
+from minidist.runtime import divergence, metrics
 from minidist.runtime.distributed import cleanup, init_distributed, use_cores_for_offload
 from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
-from minidist.step import assemble_micro_batches, lr_schedule, train_step
+from minidist.step import assemble_micro_batches, lr_schedule, rescale_peak, train_step
+
+
+LEARNING_RATE = 3e-3  # the peak, reached after --warmup_steps
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     lora.add_arguments(p)  # --lora_rank, --lora_alpha, ... (lora.py)
     p.add_argument("--batch_size_per_device", type=int, default=8)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=3e-3)
+    # None until parsed: a rate given on the command line rescales a resumed schedule, the default does not
+    p.add_argument("--learning_rate", type=float, default=None,
+                   help=f"the peak learning rate (default {LEARNING_RATE:g}); with --resume, rescales the saved schedule")
     p.add_argument("--weight_decay", type=float, default=0.0)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
@@ -88,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continue from the latest checkpoint in --output_dir, or from the checkpoint folder given")
     p.add_argument("--overwrite_output_dir", action="store_true", help="delete another run's checkpoints there first")
     args = p.parse_args(argv)
+    args.learning_rate_given = args.learning_rate is not None
+    if not args.learning_rate_given:
+        args.learning_rate = LEARNING_RATE
     if args.no_fsdp:
         if args.strategy != "ddp" and _given("--strategy", sys.argv[1:] if argv is None else argv):
             p.error(f"--no_fsdp means --strategy ddp: give one or the other, not --strategy {args.strategy} with it")
@@ -182,7 +190,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
         f"{mesh.size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
     log = metrics.MetricsLog(session.metrics_path) if env.is_main else None
-    restored = _resumed(session, log)  # with --resume: where to go on from, and what the steps before it did
+    restored = _resumed(session, log, scheduler, args, say)  # with --resume: where to go on from, what came before
     if restored:
         start, results = restored
     else:
@@ -191,6 +199,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     strategy.take_comm_bytes()  # count from here: the first step's total starts at zero
     meter = measure.MemoryMeter(env.device, args.trace_memory_every)
     recorder = metrics.StepRecorder(num_params, config, env.device, env.world_size)
+    watch = divergence.Watch(config.vocab_size, args.warmup_steps, results["losses"])  # nan, stuck, or a spike
     bar = tqdm(total=args.max_steps, initial=start, desc="training", disable=not (env.is_main and sys.stderr.isatty()))
     for step in range(start, args.max_steps):
         with around_step():  # whatever a caller measures of the whole step (see `train`); nothing by default
@@ -224,7 +233,9 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
                 bar.update()
                 bar.set_postfix(loss=f"{record['loss']:.3f}")
             kept = {"rate_before": results["rate_before"]}  # in the checkpoint beside the training state
-            if session.after_step(step + 1, record, games.sampler.position(step + 1), kept):  # saves, votes on a stop
+            diverged = watch.see(step + 1, record["loss"], norm)  # the figures read above: no wait for the device
+            # votes on a stop (or a divergence: one line, the last good checkpoint kept), saves
+            if session.after_step(step + 1, record, games.sampler.position(step + 1), kept, diverged):
                 results["stopped"] = session.stopped
                 break
     bar.close()
@@ -277,7 +288,10 @@ def _check(args, env, session: Session):
                               # LoRA's flags too: lora.py
                               "strategy": f"{args.impl}/{args.strategy}{lora.fingerprint(lora_options)}",
                               "global_batch_size": sampler.global_batch_size, "seed": args.seed,
-                              "num_examples": len(sequences)})
+                              "num_examples": len(sequences), "data": state.data_fingerprint(texts),
+                              # the batches' length, and the schedule's shape (its peak may change: _resumed)
+                              "max_seq_length": args.max_seq_length, "warmup_steps": args.warmup_steps,
+                              "max_steps": args.max_steps})
     except (FileNotFoundError, NotImplementedError, ValueError) as err:
         raise UsageError(err) from err
     return strategy, lora_options, Games(tokenizer, sequences, sampler, prefixes)
@@ -301,12 +315,20 @@ def _model(args, env, strategy, lora_options: lora.LoraOptions):
     return model, config, num_params, model_name
 
 
-def _resumed(session: Session, log) -> tuple[int, dict] | None:
+def _resumed(session: Session, log, scheduler, args, say) -> tuple[int, dict] | None:
     """With `--resume`: the step to go on from, and the results of the steps before it; the
-    weights, Adam moments, LR step, RNGs and the metrics of steps 1..start come back. Else None."""
+    weights, Adam moments, LR step, RNGs and the metrics of steps 1..start come back. Else None.
+
+    The learning-rate schedule comes back too, with the peak it was saved with, unless the command
+    line gives `--learning_rate`: then the user asked for another rate (say, a lower one after a
+    divergence), and the schedule keeps its shape, scaled to the new peak, in a line that says so."""
     restored = session.resume()
     if restored is None:
         return None
+    if args.learning_rate_given and scheduler.base_lrs[0] != args.learning_rate:
+        old = rescale_peak(scheduler, args.learning_rate)
+        say(f"--learning_rate {args.learning_rate:g} on resume: the saved schedule's peak {old:g} is rescaled to it "
+            f"(this step's rate: {scheduler.get_last_lr()[0]:.3g})")
     if log:  # metrics.jsonl becomes steps 1..start: what a killed run logged after them goes
         for record in restored["records"]:
             log.write(record)

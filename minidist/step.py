@@ -29,6 +29,23 @@ def lr_schedule(step: int, args) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def rescale_peak(scheduler, peak: float) -> float:
+    """Give a scheduler another peak learning rate, keeping its shape and its step; return the old peak.
+
+    A LambdaLR's rate is `base_lr x lr_schedule(step)`, and a resumed scheduler brings back the
+    `base_lrs` it was saved with: so they are scaled by new / old, and so is each optimizer group's
+    current rate (the next step uses it before the scheduler steps again)."""
+    old = scheduler.base_lrs[0]
+    ratio = peak / old
+    scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
+    for group in scheduler.optimizer.param_groups:
+        group["lr"] *= ratio
+        if "initial_lr" in group:  # where LambdaLR keeps each group's base rate
+            group["initial_lr"] *= ratio
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reads
+    return old
+
+
 def assemble_micro_batches(sampler: GlobalBatchSampler, sequences: list[list[int]], step: int, rank: int,
                            world_size: int, micro_batch_size: int, pad_token_id: int,
                            device: torch.device) -> tuple[list[dict], int]:

@@ -49,7 +49,6 @@ The price: a rank stuck in a collective no longer dies of SIGTERM or Ctrl-C. The
 """
 
 import errno
-import math
 import os
 import signal
 import sys
@@ -58,8 +57,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-
-from minidist.runtime.errors import UsageError
 
 STOP_FILE = "MINIDIST_STOP_FILE"  # the variable naming a file whose existence asks for a stop, like a signal
 EXIT_STOPPED = 75  # stopped by a signal (or the stop file, or a dead launcher) after saving: run again with --resume
@@ -120,25 +117,19 @@ class StopSignals:
         """Is this rank's launcher dead? Then the rank was re-parented, and its parent changed (see above)."""
         return self.launcher is not None and os.getppid() != self.launcher
 
-    def agreed(self, device, record: dict | None = None) -> bool:
-        """Did any rank get a stop signal? A collective: every rank calls it at every step boundary.
+    def agreed(self, device, diverged: bool = False) -> tuple[bool, bool]:
+        """Did any rank get a stop signal, and did any rank see its run diverge (`diverged`, from
+        `runtime/divergence.Watch`)? A collective: every rank calls it at every step boundary.
 
-        The same vote stops the run on a step whose loss or gradient norm (`record`) is nan or
-        infinite: that update has spoiled the weights, and every step and save after it would only
-        spread them (the newest checkpoints rotate the good ones out). So every rank raises, before
-        this step's save, one line. They vote because a gradient norm can be one rank's own."""
-        loss, norm = (record["loss"], float(record["grad_norm"])) if record else (0.0, 0.0)
+        Divergence rides on the same vote, because a gradient norm can be one rank's own, and every
+        rank must stop after the same step, before its save: that update has spoiled the weights, and
+        every step and save after it would only spread them (the session keeps the last good checkpoint)."""
         self._file_seen = self._file_seen or bool(self.stop_file and os.path.exists(self.stop_file))
         asked = bool(_received) or self._file_seen or self._orphaned()
-        diverged = not (math.isfinite(loss) and math.isfinite(norm))
         vote = torch.tensor([int(asked), int(diverged)], device=device)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         anyone_asked, anyone_diverged = vote.tolist()  # one read of both: one wait for the device, not two
-        if anyone_diverged:
-            raise UsageError(f"training diverged: step {record['step']} has loss {loss} and gradient norm {norm}; "
-                             f"it was not saved, and the checkpoints before it are intact; lower --learning_rate "
-                             f"(or raise --warmup_steps) and start again, or --resume from an earlier checkpoint")
-        return bool(anyone_asked)
+        return bool(anyone_asked), bool(anyone_diverged)
 
     def restore(self) -> None:
         """Put back the handlers there were before."""

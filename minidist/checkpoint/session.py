@@ -29,6 +29,7 @@ from pathlib import Path
 from minidist.checkpoint import final_model, preemption, state
 from minidist.checkpoint.output_dir import claimed
 from minidist.runtime.distributed import wait_for_rank0
+from minidist.runtime.errors import UsageError
 
 
 class Session:
@@ -85,13 +86,16 @@ class Session:
             print(f"resumed from {self.resume_path} at step {restored['step']} (data epoch {epoch}, offset {offset})")
         return restored
 
-    def after_step(self, step: int, record: dict, position, extra: dict) -> bool:
+    def after_step(self, step: int, record: dict, position, extra: dict, diverged: tuple[int, str] | None = None) -> bool:
         """Every rank calls it after every step (`step` counts from 1, as the records do), with the
-        data position of the next step and what the checkpoint keeps besides the state (`extra`).
-        Saves when `--save_steps` says so or any rank was asked to stop; True: stop now."""
+        data position of the next step, what the checkpoint keeps besides the state (`extra`), and
+        what this rank's `divergence.Watch` saw (None: a healthy step). Saves when `--save_steps`
+        says so or any rank was asked to stop; True: stop now. A divergence on any rank ends the run
+        on every rank, unsaved, in one line (`_diverged`)."""
         preemption.pause_if_asked("step", step)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
-        # All ranks vote: all stop after this step (a nan loss or gradient: they stop unsaved, in one line).
-        stop = self.stop_signals.agreed(self.env.device, record)
+        stop, anyone_diverged = self.stop_signals.agreed(self.env.device, diverged is not None)  # all ranks vote
+        if anyone_diverged:
+            self._diverged(step, diverged)
         self.last = {"step": step, "position": position, "extra": extra, "checkpoint": None}
         if stop or (self.save_steps and step % self.save_steps == 0):
             self.last["checkpoint"] = self.checkpoints.save(step, position, self.metrics_path, extra)
@@ -99,12 +103,32 @@ class Session:
             self.stopped = {"signal": self.stop_signals.received(), "step": step, "checkpoint": self.last["checkpoint"]}
         return stop
 
+    def _diverged(self, step: int, seen: tuple[int, str] | None) -> None:
+        """Stop every rank in one line after a divergence. The step it showed in is not saved, and
+        neither is any checkpoint whose weights gave it offered to `--resume`: the weights saved after
+        step k are the ones step k + 1's loss was computed with, so every checkpoint from the step
+        before the first sign on is moved aside (rank 0, `Checkpointer.set_aside`) and `latest` names
+        the newest one before them, or nothing. The advice is then true: `--resume` goes on from a
+        checkpoint saved before the divergence, and a `--learning_rate` given with it rescales the
+        schedule (finetune.py)."""
+        first, what = seen or (step, f"another rank's loss or gradient norm was not finite at step {step}")
+        good, aside = self.checkpoints.set_aside(first - 1) if self.env.is_main else (None, [])
+        moved = f" (moved {', '.join(aside)} aside: its weights gave it)" if aside else ""
+        if good is not None:
+            advice = (f"{self.out / 'latest'} names {good.name}, saved before it{moved}: run again with --resume with "
+                      f"a lower --learning_rate (it rescales the saved schedule), or start afresh with "
+                      f"--overwrite_output_dir and a lower --learning_rate or more --warmup_steps")
+        else:
+            advice = (f"no checkpoint was saved before it{moved}: start again with a lower --learning_rate or more "
+                      f"--warmup_steps")
+        raise UsageError(f"training diverged: {what}; it was not saved, {advice}")
+
     def stopped_at_end(self, stage: str) -> bool:
         """Every rank calls it after the final evaluation and after the final write (`stage` names
         which): the same vote as after a step. True: a stop was asked during `stage`, and the
         checkpoint of the last step holds the run, saved now unless one was saved for that step
         already (by `--save_steps`, or the one this run resumed from)."""
-        if not self.stop_signals.agreed(self.env.device):
+        if not self.stop_signals.agreed(self.env.device)[0]:
             return False
         kept = self.last["checkpoint"] is not None
         if not kept:

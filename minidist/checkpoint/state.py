@@ -80,16 +80,48 @@ from minidist.checkpoint.output_dir import checkpoint_step
 from minidist.checkpoint.preemption import pause_if_asked
 from minidist.hf import lora
 
-CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads")  # what fixes the shape of every weight
-
 
 def model_fingerprint(name_or_path: str) -> dict:
-    """The parts of a model's config that fix its weights' shapes: cheap, read before loading it."""
+    """What fixes the shape of every weight, read from the config before the model loads: its
+    `model_type` and every whole number in it (and every unset one), whatever the config calls it.
+    Llama names its width `hidden_size`, GPT-2 `n_embd` (and `n_inner` None means 4 x `n_embd`): a
+    list of names would miss one architecture or the other, and a checkpoint of another width would
+    pass, to die in a traceback while loading."""
     from minidist.hf.models import load_config
 
     config = load_config(name_or_path).to_dict()
-    return {key: config.get(key) for key in CONFIG_KEYS}
+    sizes = {key: value for key, value in sorted(config.items())
+             if value is None or (isinstance(value, int) and not isinstance(value, bool))}
+    return {"model_type": config.get("model_type"), **sizes}
+
+
+def data_fingerprint(games: list[str]) -> str:
+    """A hash of the training games, in order (global batch k is a function of their order): another
+    file with as many games is other data. Hashing the bundled 3,000 games takes about 10 ms."""
+    digest = hashlib.sha256()
+    for game in games:
+        digest.update(game.encode())
+        digest.update(b"\0")  # two games are never read as one
+    return f"sha256:{digest.hexdigest()[:16]}"
+
+
+# What a resume must share with the run that saved the checkpoint: the key in the run's fingerprint
+# (finetune._check), the words naming it, and how to put it right. The data, its order and the
+# sequence length fix the batches; warm-up and step count fix the learning-rate schedule's shape.
+# Only the schedule's peak may change (an explicit --learning_rate rescales it: finetune._resumed).
+# --max_steps is not honoured either: the cosine decays towards it, so another count would jump
+# the rate at the resume; to train on, start a run from the fine-tuned model.
+RESUMED_AS_SAVED = (
+    ("model", "model", "pass the --model it was trained from"),
+    ("strategy", "strategy", "resume with the same --impl, --strategy and --lora_* flags"),
+    ("global_batch_size", "global batch", "keep batch x ranks x accumulation the same"),
+    ("seed", "seed", "pass its --seed"),
+    ("num_examples", "number of training games", "pass its --data"),
+    ("data", "training data", "pass its --data (the same games, in the same order)"),
+    ("max_seq_length", "--max_seq_length", "pass its --max_seq_length"),
+    ("warmup_steps", "--warmup_steps", "pass its --warmup_steps (only the peak, --learning_rate, may change)"),
+    ("max_steps", "--max_steps", "pass its --max_steps (its schedule decays towards it)"),
+)
 
 
 # ---------------------------------------------------------------- files, written durably
@@ -238,8 +270,9 @@ def _manifest(path: Path) -> dict:
 
 def verify(path: Path, run: dict) -> Path:
     """Refuse, in one sentence and before any training, a checkpoint that is incomplete, damaged,
-    not plain data or written by another kind of run; return its path. Every rank calls it (it
-    hashes the files)."""
+    not plain data or written by another kind of run (each entry of `RESUMED_AS_SAVED` that `run`
+    holds, named with both values), or by an older minidist that did not record one of them; return
+    its path. Every rank calls it (it hashes the files)."""
     meta = _manifest(path)
     files, sums = meta["files"], meta["checksums"]
     found = checksums.file_checksums(path, list(files))  # every rank hashes its share of the pieces
@@ -250,16 +283,17 @@ def verify(path: Path, run: dict) -> Path:
                              f"without --resume")
     if meta["form"] == "sharded":  # DCP's metadata is a pickle: read it as data, or refuse it (data_only.py)
         data_only.check(path / "dcp")
-    for key, what, fix in (("model", "model", "pass the --model it was trained from"),
-                           ("strategy", "strategy", "resume with the same --impl, --strategy and --lora_* flags"),
-                           ("global_batch_size", "global batch", "keep batch x ranks x accumulation the same"),
-                           ("seed", "seed", "pass its --seed"), ("num_examples", "training data", "pass its --data")):
+    missing = [key for key, *_ in RESUMED_AS_SAVED if key in run and key not in meta["run"]]
+    if missing:  # written before every setting above was recorded: it cannot be checked, so it is refused
+        raise ValueError(f"checkpoint {path} was written by an older minidist, which did not record its "
+                         f"{', '.join(missing)}; it cannot be resumed safely: start afresh (--overwrite_output_dir)")
+    for key, what, fix in (row for row in RESUMED_AS_SAVED if row[0] in run):
         theirs, ours = meta["run"][key], run[key]
         if theirs != ours:
             if isinstance(ours, dict):  # a model: name only the config entries that differ
-                keys = [k for k in ours if theirs.get(k) != ours[k]]
+                keys = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)]
                 theirs = ", ".join(f"{k} {theirs.get(k)}" for k in keys)
-                ours = ", ".join(f"{k} {ours[k]}" for k in keys)
+                ours = ", ".join(f"{k} {ours.get(k)}" for k in keys)
             raise ValueError(f"checkpoint {path} was written with another {what} ({theirs}; this run: {ours}); "
                              f"{fix}, or use another --output_dir")
     return path
@@ -359,6 +393,29 @@ class Checkpointer:
             _write(pointer, checkpoint.name + "\n", text=True)
             os.rename(pointer, self.root / "latest")
         _fsync(self.root)
+
+    def set_aside(self, from_step: int) -> tuple[Path | None, list[str]]:
+        """After a divergence (rank 0): the checkpoints of `from_step` and later hold weights that gave
+        a diverged loss. `latest` is pointed at the newest complete checkpoint before them (or removed:
+        none), then each is renamed to `checkpoint-<step>.diverged`, kept for a look but no name
+        `--resume`, the rotation or `--overwrite_output_dir` ever picks (`output_dir.OURS`). In that
+        order: a kill between the two never leaves `latest` naming a bad one. Returns the good one
+        (or None) and the names moved aside."""
+        steps = sorted(step for name in os.listdir(self.root)
+                       if (step := checkpoint_step(name)) is not None and (self.root / name).is_dir())
+        good = next((self.root / f"checkpoint-{step}" for step in reversed(steps)
+                     if step < from_step and complete(self.root / f"checkpoint-{step}")), None)
+        bad = [f"checkpoint-{step}" for step in steps if step >= from_step]
+        if bad:
+            self._point_latest_to(good)
+        for name in bad:
+            aside = self.root / f"{name}.diverged"
+            if aside.exists():  # an earlier divergence at the same step: the newer one is kept
+                shutil.rmtree(aside)
+            os.rename(self.root / name, aside)
+        if bad:
+            _fsync(self.root)
+        return good, bad
 
     def _rotate(self, keep_also: Path) -> None:
         """Keep the newest `keep` checkpoints (and `keep_also`, the one latest names); remove the rest.

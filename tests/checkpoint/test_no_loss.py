@@ -166,9 +166,10 @@ def test_a_full_disk_at_the_final_model_gives_one_line_and_leaves_no_half_writte
 def test_a_non_finite_loss_stops_the_run_and_never_replaces_a_good_checkpoint(args, tmp_path, capsys):
     out = tmp_path / "huge-lr"
     # Step 1's update moves every weight by about 1e30 (Adam): still finite, saved; step 2's loss is nan.
+    # Those weights gave it: checkpoint-1 is moved aside, not offered to --resume (tests/loop/test_divergence.py).
     code, line = run_here(args(out, "--max_steps", "4", "--save_steps", "1", "--learning_rate", "1e30"), capsys)
-    assert code == 2 and "training diverged: step 2 has loss nan" in line
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and intact(out / "checkpoint-1")
+    assert code == 2 and "training diverged: the loss was nan at step 2" in line
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1.diverged"] and not (out / "latest").exists()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 

@@ -1,0 +1,136 @@
+"""--resume honours what the user changes, or refuses it in one line (issue 30, point 3).
+
+A checkpoint is the state of one run: its weights, its Adam moments, its learning-rate schedule
+and its place in the data. A resume with another training file, sequence length, warm-up, step
+count or model shape would go on as if it were the same run, and silently train something no
+command describes. So each of them is refused in one line that names the setting and both values.
+The learning rate is the one change a user needs after a divergence: an explicit `--learning_rate`
+rescales the saved schedule, in a line that says so, and the steps after it train with it.
+
+One rank, 64 games, the 64-wide tiny Llama: the checks are about what a checkpoint records.
+"""
+
+import json
+import shutil
+
+import pytest
+from in_process import run_here
+from in_process import run_here_in_one_line as run_in_one_line
+
+from minidist import finetune
+from minidist.checkpoint import state
+from minidist.chess import jsonl
+from minidist.chess.games import bundled_games
+from minidist.hf.models import write_tiny_gpt2
+from minidist.step import lr_schedule
+
+GAMES = jsonl.load_games(bundled_games("train"))
+
+
+@pytest.fixture(scope="module")
+def games(tmp_path_factory) -> dict:
+    """The training file, and another with the same number of games (the next 64)."""
+    root = tmp_path_factory.mktemp("games")
+    jsonl.write_games(GAMES[:64], root / "games.jsonl")
+    jsonl.write_games(GAMES[64:128], root / "other.jsonl")
+    return {"games": str(root / "games.jsonl"), "other": str(root / "other.jsonl")}
+
+
+def common(model, data, out, *extra) -> list[str]:
+    return ["--model", model, "--data", data, "--output_dir", str(out), "--max_steps", "3", "--max_seq_length", "48",
+            "--eval_prefixes", "0", "--batch_size_per_device", "4", "--warmup_steps", "1", "--seed", "3",
+            "--no_save", *extra]
+
+
+def stopped_after_step_1(argv, stop_file, monkeypatch, capsys) -> None:
+    """Run `argv`, stopped after its first step by the stop file (status 75): checkpoint-1 holds it."""
+    stop_file.touch()
+    monkeypatch.setenv("MINIDIST_STOP_FILE", str(stop_file))
+    code, err = run_here(argv, capsys)
+    monkeypatch.delenv("MINIDIST_STOP_FILE")
+    assert code == 75, err
+
+
+@pytest.fixture(scope="module")
+def llama_run(tiny_model, games, tmp_path_factory):
+    """A Llama run of 3 steps at the default learning rate, stopped after step 1 (checkpoint-1)."""
+    out = tmp_path_factory.mktemp("llama")
+    stop_file = out.parent / f"{out.name}.stop"
+    stop_file.touch()
+    with pytest.MonkeyPatch.context() as monkeypatch, pytest.raises(SystemExit) as stop:
+        monkeypatch.setenv("MINIDIST_STOP_FILE", str(stop_file))
+        finetune.main(common(tiny_model, games["games"], out))
+    assert stop.value.code == 75
+    return out
+
+
+CHANGES = [
+    (["--data", "other"], "training data"),
+    (["--max_seq_length", "40"], "another --max_seq_length (48; this run: 40)"),
+    (["--warmup_steps", "2"], "another --warmup_steps (1; this run: 2)"),
+    (["--max_steps", "5"], "another --max_steps (3; this run: 5)"),
+]
+
+
+@pytest.mark.parametrize("change, named", CHANGES, ids=["data", "max_seq_length", "warmup_steps", "max_steps"])
+def test_a_resume_that_changes_the_batches_or_the_schedule_is_refused_in_one_line(tiny_model, games, llama_run,
+                                                                                   capsys, change, named):
+    argv = common(tiny_model, games["games"], llama_run, "--resume")
+    flag, value = change
+    argv[argv.index(flag) + 1] = games.get(value, value)
+    code, line = run_in_one_line(argv, capsys)
+    assert code == 2, line
+    assert f"checkpoint {llama_run / 'checkpoint-1'} was written with another" in line and named in line, line
+    assert json.loads((llama_run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1  # nothing trained
+
+
+def test_an_explicit_learning_rate_on_resume_rescales_the_schedule_and_says_so(tiny_model, games, tmp_path,
+                                                                              monkeypatch, capsys):
+    out = tmp_path / "run"
+    stopped_after_step_1(common(tiny_model, games["games"], out, "--learning_rate", "2e-3"), tmp_path / "stop",
+                         monkeypatch, capsys)
+    capsys.readouterr()
+    finetune.main(common(tiny_model, games["games"], out, "--resume", "--learning_rate", "5e-4"))  # returns: status 0
+    assert "--learning_rate 0.0005 on resume: the saved schedule's peak 0.002 is rescaled to it" in capsys.readouterr().out
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
+    assert lrs[0] == pytest.approx(2e-3 * lr_schedule(0, args))  # step 1, before the resume: the old peak
+    assert lrs[1:] == pytest.approx([5e-4 * lr_schedule(s, args) for s in (1, 2)])  # after it: the new peak
+
+
+def test_a_resume_without_learning_rate_keeps_the_saved_schedule(tiny_model, games, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    stopped_after_step_1(common(tiny_model, games["games"], out, "--learning_rate", "2e-3"), tmp_path / "stop",
+                         monkeypatch, capsys)
+    code, err = run_here(common(tiny_model, games["games"], out, "--resume"), capsys)
+    assert code == 0, err
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
+    assert lrs == pytest.approx([2e-3 * lr_schedule(s, args) for s in range(3)])
+
+
+def test_a_wider_gpt2_is_refused_in_one_line_naming_its_size(games, tmp_path, monkeypatch, capsys):
+    """GPT-2's config names its sizes n_embd, n_layer, n_head: they are fingerprinted too."""
+    narrow, wide = write_tiny_gpt2(tmp_path / "narrow", hidden_size=32), write_tiny_gpt2(tmp_path / "wide")
+    out = tmp_path / "run"
+    stopped_after_step_1(common(str(narrow), games["games"], out), tmp_path / "stop", monkeypatch, capsys)
+    code, line = run_in_one_line(common(str(wide), games["games"], out, "--resume"), capsys)
+    assert code == 2, line
+    assert "n_embd 32" in line and "this run: " in line and "n_embd 64" in line, line
+
+
+def test_a_checkpoint_from_before_these_were_recorded_is_refused_in_one_line(llama_run, tmp_path):
+    """A checkpoint whose manifest lacks the data's hash and the schedule's settings (as minidist wrote
+    them before) cannot be checked: refused, naming what it lacks, rather than resumed on trust."""
+    old = tmp_path / "checkpoint-1"
+    shutil.copytree(llama_run / "checkpoint-1", old)
+    meta = json.loads((old / "checkpoint.json").read_text())
+    run = dict(meta["run"])
+    for key in ("data", "max_seq_length", "warmup_steps", "max_steps"):
+        del meta["run"][key]
+    del meta["manifest_checksum"]
+    meta["manifest_checksum"] = state._manifest_checksum(meta)
+    (old / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="written by an older minidist, which did not record its data, "
+                                         "max_seq_length, warmup_steps, max_steps"):
+        state.verify(old, run)
