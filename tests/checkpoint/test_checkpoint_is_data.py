@@ -88,7 +88,7 @@ def test_a_payload_in_the_metadata_is_refused_in_one_line_and_never_runs(saved, 
         metadata.planner_data = Payload(marker)  # any field: unpickling the file runs it
 
     copy = planted_copy(saved, tmp_path, plant)
-    code, line = run_here(argv(tiny_model, games, tmp_path, "--resume", str(copy), "--max_steps", "4"), capsys)
+    code, line = run_here(argv(tiny_model, games, tmp_path, "--resume", str(copy)), capsys)  # no step left: it loads
     assert not marker.exists(), "the checkpoint's payload ran"
     assert code == 2, line
     assert f"checkpoint {copy / 'dcp'} is not plain data: it names posix.system" in line, line
@@ -113,7 +113,7 @@ def test_a_payload_in_a_shards_bytes_is_refused_in_one_line_and_never_runs(saved
         metadata.storage_data[entry] = dataclasses.replace(where, offset=offset, length=len(buffer.getvalue()))
 
     copy = planted_copy(saved, tmp_path, plant)
-    code, line = run_here(argv(tiny_model, games, tmp_path, "--resume", str(copy), "--max_steps", "4"), capsys)
+    code, line = run_here(argv(tiny_model, games, tmp_path, "--resume", str(copy)), capsys)  # no step left: it loads
     assert not marker.exists(), "the checkpoint's payload ran"
     assert code == 2, line
     assert f"checkpoint {copy / 'dcp'} is not plain data: its entry optimizer." in line, line
