@@ -174,8 +174,11 @@ fi
 
 # The warning signal's path: this shell -> srun, which forwards USR1 to its task on every node
 # (SIGTERM it would turn into SIGKILL) -> torchrun, which forwards the signals listed in
-# PET_SIGNALS_TO_HANDLE to its workers (torch >= 2.9; an older torchrun dies of USR1, and the
-# next start resumes from the last SAVE_STEPS checkpoint) and gives them PET_SHUTDOWN_TIMEOUT
+# PET_SIGNALS_TO_HANDLE to its workers (torch >= 2.9; an older torchrun dies of USR1, but its
+# ranks get USR1 from srun too, and see at the next step boundary that their launcher is gone: they
+# save all the same, minidist/checkpoint/preemption.py; not tried under SLURM with an old torchrun,
+# where the step's leftover processes may be ended first, and then the next start resumes from the
+# last SAVE_STEPS checkpoint) and gives them PET_SHUTDOWN_TIMEOUT
 # seconds to save and exit before it kills them (raise it with a longer `--signal` warning).
 # torchrun then logs a SignalException traceback for USR1: that is its way of saying it was
 # signalled, not an error in the training. srun passes a signal to every process of its step,
@@ -190,8 +193,15 @@ fi
 # the ranks stop after their first step, with a checkpoint (a CI run saw this happen).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-270}
 requeue() {  # last: the real `scontrol requeue` ends this job at once and queues it again
-    echo "requeueing job $SLURM_JOB_ID; the next start resumes from" \
-         "$( [[ -f $OUTPUT_DIR/latest ]] && echo "$OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest")" || echo "the beginning (no checkpoint yet)")"
+    # Where the next start goes on from, decided as it will decide on --resume (above): `latest`, or a
+    # checkpoint-<step> without it (--resume then finds the newest complete one), or nothing.
+    local from="the beginning (no checkpoint yet)"
+    if [[ -f $OUTPUT_DIR/latest ]]; then
+        from="$OUTPUT_DIR/$(cat "$OUTPUT_DIR/latest")"
+    elif [[ -n $(find "$OUTPUT_DIR" -maxdepth 1 -regex '.*/checkpoint-[0-9]+' -print -quit 2>/dev/null) ]]; then
+        from="the newest complete checkpoint in $OUTPUT_DIR"
+    fi
+    echo "requeueing job $SLURM_JOB_ID; the next start resumes from $from"
     scontrol requeue "$SLURM_JOB_ID"
 }
 if (( STOP_REQUESTED )); then
