@@ -104,10 +104,10 @@ def compare(source, sizes, env, shape, batches, accumulation, ranks_per_node: in
     line saying which thread counts a torchrun rank of `ranks_per_node` per node would have."""
     import gc
 
-    from minidist.runtime.distributed import _usable_cores
+    from minidist.runtime.distributed import usable_cores
 
     all_threads = torch.get_num_threads()  # this process's: PyTorch's default, or init_distributed's share
-    decided = {cpu_offload: cpu_threads.job_threads(environ, _usable_cores(), all_threads, ranks_per_node, cpu_offload)
+    decided = {cpu_offload: cpu_threads.job_threads(environ, usable_cores(), all_threads, ranks_per_node, cpu_offload)
                for cpu_offload in (False, True)}
     rows = []
     for strategy_name in STRATEGIES:

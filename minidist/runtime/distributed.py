@@ -215,16 +215,17 @@ def read_launch_env(
                 master_addr="127.0.0.1", master_port=None)
 
 
-def _usable_cores() -> int:
-    # Under SLURM or taskset a process may use fewer cores than the machine has.
+def usable_cores() -> int:
+    """The cores this process may run on: under SLURM or taskset, fewer than the machine has."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
-def offload_threads(environ: Mapping[str, str], usable_cores: int) -> tuple[int, str]:
+def offload_threads(environ: Mapping[str, str], cores_here: int) -> tuple[int, str]:
     """The CPU threads for a GPU rank's `--cpu_offload` step, and where the figure comes from: a
-    pure function of the environment and of the cores this process may run on (`_usable_cores`).
+    pure function of the environment and of the cores this process may run on (`cores_here`, what
+    `usable_cores()` says).
 
     torchrun sets OMP_NUM_THREADS=1 in its workers when the variable is unset, so that N ranks of
     CPU work do not crowd one node. Left so, ZeRO-Offload's AdamW runs on one thread (about 1.5 s
@@ -237,8 +238,8 @@ def offload_threads(environ: Mapping[str, str], usable_cores: int) -> tuple[int,
     chosen = environ.get("OMP_NUM_THREADS", "")
     if chosen.isdigit() and int(chosen) > 1:
         return int(chosen), f"OMP_NUM_THREADS={chosen}"
-    cores, source = usable_cores, f"{usable_cores} usable cores"
-    if environ.get("SLURM_CPUS_PER_TASK", "").isdigit() and int(environ["SLURM_CPUS_PER_TASK"]) <= usable_cores:
+    cores, source = cores_here, f"{cores_here} usable cores"
+    if environ.get("SLURM_CPUS_PER_TASK", "").isdigit() and int(environ["SLURM_CPUS_PER_TASK"]) <= cores_here:
         cores, source = int(environ["SLURM_CPUS_PER_TASK"]), f"SLURM_CPUS_PER_TASK={environ['SLURM_CPUS_PER_TASK']}"
     ranks = int(environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, cores // ranks), f"{source} shared by {ranks} rank{'s' * (ranks > 1)} on this node"
@@ -250,7 +251,7 @@ def use_cores_for_offload(env: DistEnv, environ: Mapping[str, str] = os.environ)
     CPU rank computes everything on the CPU, and `init_distributed` has shared the cores already."""
     if env.device.type == "cpu":
         return f"--cpu_offload: the optimizer step on {torch.get_num_threads()} CPU threads per rank (CPU ranks)"
-    threads, source = offload_threads(environ, _usable_cores())
+    threads, source = offload_threads(environ, usable_cores())
     torch.set_num_threads(threads)
     return f"--cpu_offload: the optimizer step on {threads} CPU threads per rank ({source})"
 
@@ -297,7 +298,7 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
     else:
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one laptop each default to all cores: share them out instead.
-            torch.set_num_threads(max(1, _usable_cores() // where["local_world_size"]))
+            torch.set_num_threads(max(1, usable_cores() // where["local_world_size"]))
 
     if where["source"] == "torchrun":
         # torchrun's agent already runs the store the ranks should meet at; env:// uses it.

@@ -54,7 +54,7 @@ def threads_put_back():
 
 def test_a_gpu_rank_sets_its_threads_and_says_so(monkeypatch, threads_put_back):
     """A GPU rank (no GPU is touched: only its DistEnv says cuda) under torchrun's OMP_NUM_THREADS=1."""
-    monkeypatch.setattr(distributed, "_usable_cores", lambda: 16)
+    monkeypatch.setattr(distributed, "usable_cores", lambda: 16)
     torch.set_num_threads(1)
     gpu_rank = DistEnv(1, 4, 1, 4, torch.device("cuda", 1), "nccl")
     line = distributed.use_cores_for_offload(gpu_rank, {**TORCHRUN_4, "SLURM_CPUS_PER_TASK": "12"})
