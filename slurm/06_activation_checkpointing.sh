@@ -15,18 +15,20 @@
 # [--gradient_checkpointing]`, bf16; notebooks/06_activation_checkpointing.ipynb, section 4):
 #   default      checkpointing, batch 128 per GPU: saved activations 27.7 GB (each layer keeps
 #                only its bf16 input, 8 kB per token: 17.2 GB; the loss's fp32 log-probabilities
-#                8.4 GB), plus the logits (16.8 GB) at the start of backward, beside 20.2 GB of
-#                parameter and optimizer-state shards: peak ~65.4 GB, fits (the recomputed layer,
-#                12.3 GB, comes once the logits are gone). The estimator's largest batch is 169;
+#                8.4 GB), plus the logits (16.8 GB) at the end of forward, beside 20.2 GB of
+#                parameter and optimizer-state shards and the root's gathered bf16 weights (0.5 GB):
+#                peak ~65.2 GB, fits (the recomputed layer, 12.3 GB, comes once the logits are
+#                gone). The estimator's largest batch is 170;
 #                128 keeps the total batch a power of 2.
 #   GRADIENT_CHECKPOINTING=0, batch 128: every layer keeps 96 MB per sequence, peak ~441 GB:
 #                CUDA out of memory in the first step. The largest batch that fits without
-#                checkpointing is 17 (peak ~76.7 GB at 17; ~47.2 GB at 8).
+#                checkpointing is 18 (peak ~79.9 GB at 18; ~47.1 GB at 8).
 #   GRADIENT_CHECKPOINTING=0 BATCH_SIZE_PER_DEVICE=8: the same 512 sequences per step in 16
-#                micro-batches; fits: ~60.6 GB with --gradient_accumulation_steps 16, which counts
-#                the full bf16 gradients minidist's FSDP keeps through no_sync micro-batches
-#                (2 x 6.74e9 = 13.5 GB). It gathers every unit twice per micro-batch: 32 all-gathers and one
-#                reduce-scatter of P per step instead of 2 and 1. Same losses as the default run,
+#                micro-batches; fits, barely: ~74.0 GB with --gradient_accumulation_steps 16, which
+#                counts the full gradients minidist's FSDP sums in fp32 through no_sync micro-batches
+#                (4 x 6.74e9 = 27.0 GB). It gathers every layer twice per micro-batch and the root
+#                once: 32 all-gathers of each layer (16 of the root) and one reduce-scatter per step
+#                instead of 2 (1) and 1. Same losses as the default run,
 #                up to bf16 rounding.
 # Time: recomputation is one more forward of the 32 decoder layers, 2 x 6.48e9 FLOPs per token on
 # top of 6 x 6.74e9 (Chen et al. 2016; PyTorch's torch.utils.checkpoint docs): expect the
