@@ -111,9 +111,9 @@ class Session:
         the newest one before them, or nothing. The advice is then true: `--resume` goes on from a
         checkpoint saved before the divergence, and a `--learning_rate` given with it rescales the
         schedule (finetune.py)."""
-        first, what = seen or (step, f"another rank's loss or gradient norm was not finite at step {step}")
+        first, what = seen or (step, f"another rank saw the run diverge at step {step}")
         good, aside = self.checkpoints.set_aside(first - 1) if self.env.is_main else (None, [])
-        moved = f" (moved {', '.join(aside)} aside: its weights gave it)" if aside else ""
+        moved = f" (moved aside, as their weights gave it: {', '.join(aside)})" if aside else ""
         if good is not None:
             advice = (f"{self.out / 'latest'} names {good.name}, saved before it{moved}: run again with --resume with "
                       f"a lower --learning_rate (it rescales the saved schedule), or start afresh with "
