@@ -13,15 +13,21 @@
 #   16P/N = 27.0 GB per GPU, gathered units (bf16 weights of the root and two layers) 1.33 GB,
 #   peak about 35.3 GB, in backward: it fits in 80 GB, and the loss falls over the 200 steps as
 #   in slurm/chess_finetune.sh. This script runs chess_finetune.sh's 4 per GPU x 2 accumulation
-#   steps, whose full bf16 gradients the estimate adds with --gradient_accumulation_steps 2:
-#   about 48.3 GB;
+#   steps, whose full gradients, summed in fp32 between micro-batches (as FSDP2), the estimate adds
+#   with --gradient_accumulation_steps 2: about 61.6 GB;
 # - with --no_layer_wrap_policy: the whole model is gathered at once (13.5 GB of bf16 weights),
 #   and in backward its whole gradient arrives beside them (autograd's and the flat one, 2 x 2P
-#   bytes for a moment): peak about 60.7 GB, 74.1 GB with the 2 accumulation steps. It still
-#   fits, with little room (largest batch per GPU 10 in one micro-batch, 6 with accumulation);
-# - both send 3P(N-1)/N elements per rank per step (weights all-gathered in bf16 twice, gradients
-#   reduce-scattered in fp32: 2 x 2 + 4 = 8 bytes x 6.74e9 x 3/4 = 40.4 GB per step, the
-#   `comm_bytes` of OUTPUT_DIR/metrics.jsonl), 1.5x DDP's element count (Zhao et al. 2023);
+#   bytes for a moment): peak about 60.7 GB in one micro-batch (largest batch per GPU 10), but
+#   87.6 GB with this script's 2 accumulation steps: it does NOT fit in 80 GB, at any batch per GPU
+#   with accumulation (`TOTAL_BATCH_SIZE=16 sbatch slurm/05_fsdp.sh --no_layer_wrap_policy` runs it
+#   in one micro-batch of 4 per GPU: 60.7 GB);
+# - per micro-batch the layers are all-gathered twice (in bf16) and the root once (it stays
+#   gathered from forward to backward, as in FSDP2), and the gradients reduce-scattered once per
+#   step in fp32: with the wrap policy ((2k + 1)P - k P_root)(N-1)/N elements for k micro-batches
+#   (P_root = 262M: embeddings, final norm, output layer), 1.48x DDP's for k = 1; here, k = 2:
+#   (2 x (2P - P_root) x 2 + 4P) bytes x 3/4 = 59.9 GB per step, the `comm_bytes` of
+#   OUTPUT_DIR/metrics.jsonl; as one unit, (k + 1)P(N-1)/N, whole-model gathers in bf16:
+#   (2 x 2P + 4P) x 3/4 = 40.4 GB (minidist/parallel/fsdp.py's docstring);
 # - only rank 0 reads the 27 GB of fp32 weights into host memory; ranks 1-3 build the model on the
 #   meta device and receive their 6.7 GB shards by a scatter.
 # Read the measured figures per rank from OUTPUT_DIR/metrics.jsonl (`memory_bytes`, `comm_bytes`,

@@ -14,17 +14,22 @@
 # --mixed_precision bf16|fp32`; notebooks/07_mixed_precision.ipynb, section 6):
 #   bf16 (default)  model states 27.0 GB per GPU (fp32 master shard, gradient shard, Adam moments:
 #                   16P/N in both precisions), activations 12.6 GB, peak ~35.3 GB in backward
-#                   (largest batch 17); with this script's 2 accumulation steps
-#                   (--gradient_accumulation_steps 2) ~48.3 GB: fits. Sent per GPU per step: two bf16 all-gathers and an fp32
-#                   reduce-scatter, (2 + 2 + 4) x 6.74e9 x 3/4 = 40.4 GB (`comm_bytes`).
+#                   (largest batch 18); with this script's 2 accumulation steps
+#                   (--gradient_accumulation_steps 2), whose full gradients are summed in fp32,
+#                   ~61.6 GB: fits. Sent per GPU per micro-batch: the layers all-gathered twice in bf16,
+#                   the root (P_root = 262M, kept gathered from forward to backward) once, and per step
+#                   an fp32 reduce-scatter: (2 x 2 x (2P - P_root) + 4P) x 3/4 = 59.9 GB per step
+#                   with the 2 micro-batches, 40.0 GB in one (`comm_bytes`).
 #   MIXED_PRECISION=fp32  activations 22.8 GB, gathered units 2.7 GB, peak ~47.1 GB (largest
 #                   batch 9); with the 2 accumulation steps, whose full gradients are fp32 too,
-#                   ~73.7 GB: fits; sent (4 + 4 + 4) x P x 3/4 = 60.6 GB per step. Much slower:
+#                   ~73.7 GB: fits; sent 4 x (3P - P_root) x 3/4 = 59.9 GB in one micro-batch,
+#                   (4 x 2 x (2P - P_root) + 4P) x 3/4 = 99.5 GB per step with the 2. Much slower:
 #                   an A100 does 19.5 TFLOP/s in fp32 (no TF32: PyTorch's default for matmuls)
 #                   against 312 in bf16 (NVIDIA A100 datasheet), so expect several times, up to
 #                   16x, the bf16 step time (`step_time_s`, `tokens_per_s` in
 #                   OUTPUT_DIR/metrics.jsonl; its `mfu` is against the bf16 peak).
-#   REDUCE_DTYPE=bf16  the reduce-scatter in bf16 too: (2 + 2 + 2) x P x 3/4 = 30.3 GB per step.
+#   REDUCE_DTYPE=bf16  the reduce-scatter in bf16 too: (2 x (2P - P_root) + 2P) x 3/4 = 29.9 GB in
+#                   one micro-batch (49.8 GB per step with the 2).
 # The loss curves of the bf16 and fp32 runs should agree to bf16's rounding (the notebook's
 # 2-rank CPU runs of a tiny Llama: within 1.1e-3 over 20 steps); compare the `loss` of the two
 # OUTPUT_DIR/metrics.jsonl files. Not measured at 7B.
