@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     # None until parsed: a rate given on the command line rescales a resumed schedule, the default does not
     p.add_argument("--learning_rate", type=float, default=None,
-                   help=f"the peak learning rate (default {LEARNING_RATE:g}); with --resume, rescales the saved schedule")
+                   help=f"the peak learning rate (default {LEARNING_RATE:g}); given with --resume, it rescales the "
+                        f"saved schedule")
     p.add_argument("--weight_decay", type=float, default=0.0)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--max_grad_norm", type=float, default=1.0)

@@ -26,6 +26,8 @@ a run with the default `--save_steps 0` would lose every step.
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch.distributed as dist
+
 from minidist.checkpoint import final_model, preemption, state
 from minidist.checkpoint.output_dir import claimed
 from minidist.runtime.distributed import wait_for_rank0
@@ -86,7 +88,8 @@ class Session:
             print(f"resumed from {self.resume_path} at step {restored['step']} (data epoch {epoch}, offset {offset})")
         return restored
 
-    def after_step(self, step: int, record: dict, position, extra: dict, diverged: tuple[int, str] | None = None) -> bool:
+    def after_step(self, step: int, record: dict, position, extra: dict,
+                   diverged: tuple[int, str] | None = None) -> bool:
         """Every rank calls it after every step (`step` counts from 1, as the records do), with the
         data position of the next step, what the checkpoint keeps besides the state (`extra`), and
         what this rank's `divergence.Watch` saw (None: a healthy step). Saves when `--save_steps`
@@ -107,12 +110,15 @@ class Session:
         """Stop every rank in one line after a divergence. The step it showed in is not saved, and
         neither is any checkpoint whose weights gave it offered to `--resume`: the weights saved after
         step k are the ones step k + 1's loss was computed with, so every checkpoint from the step
-        before the first sign on is moved aside (rank 0, `Checkpointer.set_aside`) and `latest` names
-        the newest one before them, or nothing. The advice is then true: `--resume` goes on from a
-        checkpoint saved before the divergence, and a `--learning_rate` given with it rescales the
-        schedule (finetune.py)."""
+        before the first sign on is moved aside (rank 0, `Checkpointer.set_aside`; it tells the
+        others) and `latest` names the newest one before them, or nothing. The advice is then true:
+        `--resume` goes on from a checkpoint saved before the divergence, and a `--learning_rate`
+        given with it rescales the schedule (finetune.py)."""
         first, what = seen or (step, f"another rank saw the run diverge at step {step}")
-        good, aside = self.checkpoints.set_aside(first - 1) if self.env.is_main else (None, [])
+        found = [self.checkpoints.set_aside(first - 1) if self.env.is_main else None]
+        if self.env.world_size > 1:  # every rank says the same line: rank 0's (torchrun may show any rank's)
+            dist.broadcast_object_list(found, src=0)
+        good, aside = found[0]
         moved = f" (moved aside, as their weights gave it: {', '.join(aside)})" if aside else ""
         if good is not None:
             advice = (f"{self.out / 'latest'} names {good.name}, saved before it{moved}: run again with --resume with "

@@ -56,7 +56,8 @@ class Watch:
         self.stuck_since = (self.stuck_since or step) if stuck else None
         if stuck and step - self.stuck_since + 1 >= STUCK_STEPS:
             return self.stuck_since, (f"the loss sat at ln(vocabulary size {self.vocab_size}) = {self.uniform:.4f} "
-                                      f"with a gradient norm below {ZERO_GRADIENT:g} from step {self.stuck_since} to step {step}")
+                                      f"with a gradient norm below {ZERO_GRADIENT:g} from step {self.stuck_since} "
+                                      f"to step {step}")
         if (step > self.warmup_steps and self.level is not None
                 and loss > max(SPIKE_FACTOR * self.level, self.level + SPIKE_NATS)):
             return step, (f"the loss was {loss:.4f} at step {step}, far above its running level {self.level:.4f} "

@@ -205,7 +205,9 @@ def test_a_broken_or_mismatched_checkpoint_is_refused_in_one_line(runs, tiny_mod
         finetune_args(tiny_model, tmp_path / "o", "torch", "fsdp", *resume), capsys)
     other = write_tiny_llama(tmp_path / "other-model", hidden_size=32, num_layers=2)
     line = refuse(args(tmp_path / "o", *resume, "--model", str(other)), capsys)
-    assert "another model (hidden_size 64, intermediate_size 168; this run: hidden_size 32, intermediate_size 80)" in line
+    # every size the config holds, head_dim too (model_fingerprint)
+    assert ("another model (head_dim 16, hidden_size 64, intermediate_size 168; this run: head_dim 8, hidden_size 32, "
+            "intermediate_size 80)") in line, line
 
 
 @pytest.fixture

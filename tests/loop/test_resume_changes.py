@@ -91,7 +91,8 @@ def test_an_explicit_learning_rate_on_resume_rescales_the_schedule_and_says_so(t
                          monkeypatch, capsys)
     capsys.readouterr()
     finetune.main(common(tiny_model, games["games"], out, "--resume", "--learning_rate", "5e-4"))  # returns: status 0
-    assert "--learning_rate 0.0005 on resume: the saved schedule's peak 0.002 is rescaled to it" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "--learning_rate 0.0005 on resume: the saved schedule's peak 0.002 is rescaled to it" in said, said
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
     assert lrs[0] == pytest.approx(2e-3 * lr_schedule(0, args))  # step 1, before the resume: the old peak
