@@ -163,18 +163,20 @@ def test_simulated_nodes_give_each_rank_its_node(step_bytes):
 def test_bytes_within_and_across_nodes_follow_the_formula(step_bytes):
     """One fp32 step, per rank, P = the units' padded elements:
 
-    - hsdp (S = 2 per node, R = 2 nodes): within 3P(S-1)/S x 4 bytes (2 all-gathers, 1
+    - hsdp (S = 2 per node, R = 2 nodes): within (3P - P_root)(S-1)/S x 4 bytes (2 all-gathers
+      of each layer unit, 1 of the root, which stays gathered from forward to backward, and 1
       reduce-scatter), across 2(P/S)(R-1)/R x 4 (the all-reduce of the shard), on every rank;
-    - flat fsdp (N = 4): 3P(N-1)/N x 4 per rank on one ring 0 -> 1 -> 2 -> 3 -> 0; ranks 1 and 3
+    - flat fsdp (N = 4): (3P - P_root)(N-1)/N x 4 per rank on one ring 0 -> 1 -> 2 -> 3 -> 0; ranks 1 and 3
       send to a rank on the other node, so all of theirs crosses nodes, ranks 0 and 2 none of it.
     Across nodes hsdp sends less, both on the busiest rank and summed over the ranks."""
     S, R, N = 2, 2, 4
-    p_hsdp, p_fsdp = sum(step_bytes[0]["hsdp"]["units"]), sum(step_bytes[0]["fsdp"]["units"])
+    units_h, units_f = step_bytes[0]["hsdp"]["units"], step_bytes[0]["fsdp"]["units"]  # the root last
+    p_hsdp, p_fsdp = sum(units_h), sum(units_f)
     for rank, r in enumerate(step_bytes):
         h, f = r["hsdp"]["bytes"], r["fsdp"]["bytes"]
-        assert h["comm_bytes_within_node"] == 3 * p_hsdp * (S - 1) / S * 4
+        assert h["comm_bytes_within_node"] == (3 * p_hsdp - units_h[-1]) * (S - 1) / S * 4
         assert h["comm_bytes_across_nodes"] == 2 * (p_hsdp / S) * (R - 1) / R * 4
-        assert f["comm_bytes"] == 3 * p_fsdp * (N - 1) / N * 4
+        assert f["comm_bytes"] == (3 * p_fsdp - units_f[-1]) * (N - 1) / N * 4
         assert f["comm_bytes_across_nodes"] == (f["comm_bytes"] if rank % 2 else 0)
     across = {k: [r[k]["bytes"]["comm_bytes_across_nodes"] for r in step_bytes] for k in ("hsdp", "fsdp")}
     assert max(across["hsdp"]) < max(across["fsdp"]) and sum(across["hsdp"]) < sum(across["fsdp"])

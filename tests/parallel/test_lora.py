@@ -119,14 +119,18 @@ def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, refe
         for r in records:
             assert 0 <= r["comm_bytes"] - 2 * trained * (2 - 1) / 2 * 4 < 2 * 4 * 2 * 64
     if impl == "minidist" and strategy == "fsdp":
-        # Every unit, frozen flat and trainable flat, gathered twice per micro-batch (2 x 2), but only
-        # the adapters reduce-scattered, once: (4 (P + P_lora) + P_lora) (N-1)/N fp32 elements, up to
-        # the padding of each flat (fewer than N elements). A full fine-tune would send (4 + 1) P.
+        # Every layer unit, frozen flat and trainable flat, gathered twice per micro-batch (2 x 2), the
+        # root once per micro-batch (it stays gathered from forward to backward: 2 x P_root less), and
+        # only the adapters reduce-scattered, once: (4 (P + P_lora) - 2 P_root + P_lora) (N-1)/N fp32
+        # elements, up to the padding of each flat (fewer than N elements). Without the wrap policy the
+        # whole model is the root. A full fine-tune would send (4 + 1) P - 2 P_root.
         from minidist.memory.estimator import model_shape
 
         base = model_shape(tiny_model).num_params
+        root = base + trained if "--no_layer_wrap_policy" in extra else model_shape(tiny_model).root_params
         for r in records:
-            assert 0 <= r["comm_bytes"] - (4 * (base + trained) + trained) * (2 - 1) / 2 * 4 < 5 * 6 * 4
+            sent = (4 * (base + trained) - 2 * root + trained) * (2 - 1) / 2 * 4
+            assert 0 <= r["comm_bytes"] - sent < 5 * 6 * 4
 
 
 @pytest.mark.parametrize("impl,strategy,extra", NCCL_LIKE)

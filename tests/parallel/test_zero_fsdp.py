@@ -214,10 +214,12 @@ def assert_same_run(got, want, where):
 def test_bytes_per_optimizer_step(runs, model, world, accum):
     """ZeRO-1 and ZeRO-2 send what DDP sends, 2·P·(N-1)/N elements a step (a reduce-scatter of
     the gradients and an all-gather of the weights), whatever the accumulation: no_sync
-    micro-batches send nothing. FSDP gathers every unit for forward and again for backward in
-    each of k micro-batches, and reduce-scatters once: (2k+1)·P·(N-1)/N, 1.5x DDP for k = 1.
-    P is the padded size of the flat buffers, at most N - 1 elements more per buffer. Held to
-    minidist's DDP too, measured in the same launch: ZeRO = DDP and FSDP = 1.5 x DDP, padding aside."""
+    micro-batches send nothing. FSDP gathers every unit for forward and every layer unit again for
+    backward in each of k micro-batches (the root stays gathered from forward to backward, as in
+    FSDP2), and reduce-scatters once: ((2k+1)·P - k·P_root)·(N-1)/N. P is the padded size of the
+    flat buffers, at most N - 1 elements more per buffer; P_root the root unit's (the whole model
+    as one unit). Held to minidist's DDP too, measured in the same launch: ZeRO = DDP and FSDP =
+    (3P - P_root)/2P x DDP, padding aside."""
     for rank, rank_results in enumerate(runs(world)):
         for variant, run in rank_results[model, accum].items():
             assert run["numel"] == run["trainable"], f"{variant}: each trainable parameter once in the flat buffers"
@@ -226,14 +228,16 @@ def test_bytes_per_optimizer_step(runs, model, world, accum):
             if variant.startswith("zero"):
                 assert run["num_flat"] > 1, "ZeRO should spread these models over several buckets"
             per_unit = 2 if variant.startswith("zero") else 2 * accum + 1
-            expected = per_unit * run["padded_numel"] * (world - 1) / world * 4
+            root = 0 if variant.startswith("zero") else accum * run["root_numel"]  # not gathered for backward
+            expected = (per_unit * run["padded_numel"] - root) * (world - 1) / world * 4
             assert run["comm_bytes"] == [expected] * STEPS, (variant, run["comm_bytes"], expected)
             if model == "llama" and world == 2 and accum == 1:
                 ddp = runs(2)[rank]["bf16 and ddp"]["ddp"]
                 padding = (run["padded_numel"] - run["numel"]) * (world - 1) / world * 4
                 assert ddp["comm_bytes"] == [2 * ddp["trainable"] * (world - 1) / world * 4]
                 ratio = 1 if variant.startswith("zero") else 1.5
-                assert run["comm_bytes"][0] == ratio * ddp["comm_bytes"][0] + per_unit * padding, variant
+                root_bytes = root * (world - 1) / world * 4
+                assert run["comm_bytes"][0] == ratio * ddp["comm_bytes"][0] + per_unit * padding - root_bytes, variant
 
 
 def model_state_formulas(strategy, precision, p, n):
@@ -334,8 +338,9 @@ BF16_LOSS_RTOL = 2e-3
 def test_bf16_tracks_fp32_over_20_steps(runs, fp32_losses_20_steps):
     """ZeRO-2 and FSDP in bf16 follow the fp32 reference's losses within 0.2% for 20 steps, and
     are not bitwise equal to it: bf16 really ran. The bytes show it too: ZeRO all-gathers bf16
-    weights (2 bytes) after reduce-scattering fp32 gradients (4), FSDP gathers bf16 units twice
-    and reduce-scatters fp32: 6 and 8 bytes per element instead of 8 and 12."""
+    weights (2 bytes) after reduce-scattering fp32 gradients (4), FSDP gathers bf16 layer units
+    twice (the root once) and reduce-scatters fp32: 6 and 8 bytes per element (less 2 per root
+    element) instead of 8 and 12."""
     fp32 = torch.tensor(fp32_losses_20_steps)
     ranks = runs(2)
     for strategy in BF16_TRACKED:
@@ -346,7 +351,8 @@ def test_bf16_tracks_fp32_over_20_steps(runs, fp32_losses_20_steps):
         assert not torch.equal(losses, fp32)
         assert fp32[-1] < fp32[0] - 0.5 and losses[-1] < losses[0] - 0.5  # both trained, not just agreed
         bytes_per_element = 6 if strategy.startswith("zero") else 8
-        assert run["comm_bytes"] == [bytes_per_element * run["padded_numel"] * (2 - 1) / 2] * BF16_STEPS
+        root = 0 if strategy.startswith("zero") else 2 * run["root_numel"]  # its bf16 gather for backward
+        assert run["comm_bytes"] == [(bytes_per_element * run["padded_numel"] - root) * (2 - 1) / 2] * BF16_STEPS
 
 
 def test_zero1_as_an_optimizer_wraps_any_torch_optimizer():

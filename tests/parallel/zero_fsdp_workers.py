@@ -124,7 +124,7 @@ def train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, buc
     }
     if strategy == "fsdp" and impl.options.impl == "minidist":
         result.update(max_unsharded=model.max_unsharded, unsharded_after=model.unsharded,
-                      num_layer_units=len(model.layer_units))
+                      num_layer_units=len(model.layer_units), root_numel=model.root.layout.padded_numel)
     return result
 
 
