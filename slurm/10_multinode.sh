@@ -12,11 +12,12 @@
 #
 # Expected outcome (estimated, NOT run: this script has not run on GPUs yet). Per GPU per step,
 # P = 6.74e9, bf16 all-gathers, fp32 reduce-scatter and all-reduce, N = 8 GPUs, S = 4 per node, R = 2:
-# - flat FSDP: 2 x 11.8 GB all-gathered + 23.6 GB reduce-scattered = 8 bytes x P x 7/8 = 47.2 GB,
+# - flat FSDP: the layers all-gathered twice and the root (P_root = 262M) once, 23.1 GB, + 23.6 GB
+#   reduce-scattered = (2 (2P - P_root) + 4P) x 7/8 = 46.7 GB,
 #   on one ring 0 -> 1 -> ... -> 7 -> 0: GPUs 3 and 7 send all of theirs to the other node, the
 #   others none (`comm_bytes_across_nodes_by_rank`), and the ring moves at the pace of those two
-#   InfiniBand links: at 12-25 GB/s, 1.9-3.8 s of communication against ~0.45 s of compute;
-# - HSDP: within each node 8 bytes x P x 3/4 = 40.4 GB over NVLink (~0.2 s at ~200 GB/s), and
+#   InfiniBand links: at 12-25 GB/s, 1.9-3.9 s of communication against ~0.45 s of compute;
+# - HSDP: within each node (2 (2P - P_root) + 4P) x 3/4 = 40.0 GB over NVLink (~0.2 s at ~200 GB/s), and
 #   across nodes only the all-reduce of each GPU's fp32 gradient shard, 2 x (P/4) x 1/2 x 4 bytes
 #   = 6.74 GB per GPU, every GPU alike: 0.27-0.54 s at 12-25 GB/s;
 # - memory per GPU (python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy
@@ -27,7 +28,7 @@
 # metrics.jsonl), at twice the model-state memory per GPU. The two runs' losses agree to rounding:
 # the same data, the same average gradient.
 # - HSDP + LoRA (rank 16 on q, k, v, o: P_lora = 16,777,216): within a node both flats are still
-#   gathered twice (bf16) and only the adapters reduce-scattered; across nodes only the all-reduce
+#   gathered twice (bf16; the root once) and only the adapters reduce-scattered; across nodes only the all-reduce
 #   of the adapters' shard, 2 x (P_lora/4) x 1/2 x 4 bytes = 16.8 MB per GPU. Model states per GPU
 #   (the same memory command with --lora_rank 16): 3.4 GB instead of 27.0 GB, peak ~14.0 GB.
 #

@@ -16,8 +16,8 @@
 # hybrid sharding (--strategy hsdp, lesson 10): each node's GPUs shard one copy of the model states
 # (all-gathers and reduce-scatters over NVLink), and the nodes only all-reduce their gradient
 # shards over the network, 2(P/4)(R-1)/R elements per GPU for R nodes of 4 GPUs, instead of flat
-# FSDP's 3P(N-1)/N on a ring that crosses the network (for CodeLlama-7b in bf16 with fp32
-# reductions, 2 nodes: 6.7 GB per GPU per step across nodes, where flat FSDP over 8 sends 47 GB
+# FSDP's (3P - P_root)(N-1)/N on a ring that crosses the network (for CodeLlama-7b in bf16 with fp32
+# reductions, 2 nodes: 6.7 GB per GPU per step across nodes, where flat FSDP over 8 sends 46.7 GB
 # per GPU on a ring whose node-crossing links carry all of it: minidist/parallel/comm.py). Memory
 # per GPU is FSDP's on 4 GPUs (27 GB of model states).
 #
@@ -46,7 +46,7 @@
 # - GPU type: #SBATCH lines cannot read variables, so a GPU constraint is given at submission,
 #   with SLURM's own variable SBATCH_CONSTRAINT or `sbatch --constraint=...`. Without one the job
 #   may land on A100-40GB nodes, where this run does not fit (`python -m minidist.memory` puts it
-#   at 48-62 GB a GPU, by implementation, with the 2 accumulation steps); many sites name the 80 GB ones with a feature such as `gpu80`, but
+#   at 61.6 GB a GPU for either implementation, with the 2 accumulation steps); many sites name the 80 GB ones with a feature such as `gpu80`, but
 #   the name is site-specific (`sinfo -o "%N %f"` lists the features of each node). A feature no
 #   node has is refused by sbatch ("Invalid feature specification").
 # - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
