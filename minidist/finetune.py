@@ -47,7 +47,7 @@ from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
-from minidist.step import assemble_micro_batches, lr_schedule, rescale_peak, train_step
+from minidist.step import assemble_micro_batches, follow_schedule, lr_schedule, rescale_peak, train_step
 
 
 LEARNING_RATE = 3e-3  # the peak, reached after --warmup_steps
@@ -322,10 +322,22 @@ def _resumed(session: Session, log, scheduler, args, say) -> tuple[int, dict] | 
 
     The learning-rate schedule comes back too, with the peak it was saved with, unless the command
     line gives `--learning_rate`: then the user asked for another rate (say, a lower one after a
-    divergence), and the schedule keeps its shape, scaled to the new peak, in a line that says so."""
+    divergence), and the schedule keeps its shape, scaled to the new peak, in a line that says so.
+    Another `--max_steps` than the checkpoint's run had is honoured the same way, in a line: the
+    run trains on to it (or stops sooner), and since the cosine decays towards max_steps, the rate
+    from the resumed step on is the new schedule's; a checkpoint already past it is refused."""
     restored = session.resume()
     if restored is None:
         return None
+    saved_steps = restored["run"].get("max_steps")
+    if saved_steps is not None and saved_steps != args.max_steps:
+        if restored["step"] > args.max_steps:
+            raise UsageError(f"--max_steps {args.max_steps}: the checkpoint {session.resume_path} is already at step "
+                             f"{restored['step']}; pass a --max_steps of at least {restored['step']}")
+        follow_schedule(scheduler)  # the next step's rate from the new schedule, not the saved one
+        say(f"--max_steps {args.max_steps} on resume (the checkpoint's run had {saved_steps}): training goes on to step "
+            f"{args.max_steps}, the learning rate following a schedule of {args.max_steps} steps from here "
+            f"(this step's rate: {scheduler.get_last_lr()[0]:.3g})")
     if args.learning_rate_given and scheduler.base_lrs[0] != args.learning_rate:
         old = rescale_peak(scheduler, args.learning_rate)
         say(f"--learning_rate {args.learning_rate:g} on resume: the saved schedule's peak {old:g} is rescaled to it "

@@ -46,6 +46,17 @@ def rescale_peak(scheduler, peak: float) -> float:
     return old
 
 
+def follow_schedule(scheduler) -> None:
+    """Set each optimizer group's rate to what the scheduler's schedule gives at its current step.
+
+    A resumed LambdaLR brings back its step, and the optimizer the rate the *saved* schedule gave
+    for the next step; when the schedule itself changed (another `--max_steps`: finetune._resumed),
+    the next step must already use the new one, not only the steps after the scheduler next steps."""
+    for group, base, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * multiplier(scheduler.last_epoch)  # LambdaLR's own rule
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reads
+
+
 def assemble_micro_batches(sampler: GlobalBatchSampler, sequences: list[list[int]], step: int, rank: int,
                            world_size: int, micro_batch_size: int, pad_token_id: int,
                            device: torch.device) -> tuple[list[dict], int]:

@@ -108,9 +108,10 @@ def data_fingerprint(games: list[str]) -> str:
 # What a resume must share with the run that saved the checkpoint: the key in the run's fingerprint
 # (finetune._check), the words naming it, and how to put it right. The data, its order and the
 # sequence length fix the batches; warm-up and step count fix the learning-rate schedule's shape.
-# Only the schedule's peak may change (an explicit --learning_rate rescales it: finetune._resumed).
-# --max_steps is not honoured either: the cosine decays towards it, so another count would jump
-# the rate at the resume; to train on, start a run from the fine-tuned model.
+# Two changes are honoured and announced instead (finetune._resumed): the schedule's peak (an
+# explicit --learning_rate rescales it) and --max_steps (train on to another step count, or stop
+# sooner). The cosine decays towards max_steps, so another count changes the rate from the resume
+# on: the line says so. Both are recorded (`run`), so the resumed run can tell what changed.
 RESUMED_AS_SAVED = (
     ("model", "model", "pass the --model it was trained from"),
     ("strategy", "strategy", "resume with the same --impl, --strategy and --lora_* flags"),
@@ -120,7 +121,6 @@ RESUMED_AS_SAVED = (
     ("data", "training data", "pass its --data (the same games, in the same order)"),
     ("max_seq_length", "--max_seq_length", "pass its --max_seq_length"),
     ("warmup_steps", "--warmup_steps", "pass its --warmup_steps (only the peak, --learning_rate, may change)"),
-    ("max_steps", "--max_steps", "pass its --max_steps (its schedule decays towards it)"),
 )
 
 
@@ -458,5 +458,6 @@ class Checkpointer:
             _set_rng_state(torch.load(rng, weights_only=True), self.env.device)
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         position = (meta["position"]["epoch"], meta["position"]["offset"])
-        return {"step": meta["step"], "position": position, "records": records, "extra": meta["extra"]}
+        return {"step": meta["step"], "position": position, "records": records, "extra": meta["extra"],
+                "run": meta["run"]}
 

@@ -68,11 +68,10 @@ CHANGES = [
     (["--data", "other"], "training data"),
     (["--max_seq_length", "40"], "another --max_seq_length (48; this run: 40)"),
     (["--warmup_steps", "2"], "another --warmup_steps (1; this run: 2)"),
-    (["--max_steps", "5"], "another --max_steps (3; this run: 5)"),
 ]
 
 
-@pytest.mark.parametrize("change, named", CHANGES, ids=["data", "max_seq_length", "warmup_steps", "max_steps"])
+@pytest.mark.parametrize("change, named", CHANGES, ids=["data", "max_seq_length", "warmup_steps"])
 def test_a_resume_that_changes_the_batches_or_the_schedule_is_refused_in_one_line(tiny_model, games, llama_run,
                                                                                    capsys, change, named):
     argv = common(tiny_model, games["games"], llama_run, "--resume")
@@ -97,6 +96,39 @@ def test_an_explicit_learning_rate_on_resume_rescales_the_schedule_and_says_so(t
     args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
     assert lrs[0] == pytest.approx(2e-3 * lr_schedule(0, args))  # step 1, before the resume: the old peak
     assert lrs[1:] == pytest.approx([5e-4 * lr_schedule(s, args) for s in (1, 2)])  # after it: the new peak
+
+
+def test_another_max_steps_on_resume_trains_on_to_it_and_says_so(tiny_model, games, tmp_path, monkeypatch, capsys):
+    """A 3-step run stopped after steps 1 and 2, resumed with --max_steps 5 (stopped again after
+    step 3, then resumed to the end): it says so, trains steps 3 to 5, and from the resumed step on
+    its rates are the 5-step schedule's (the cosine decays towards max_steps; with one warm-up step
+    the two schedules part from step 3). Asked for fewer steps than its checkpoint has done, a
+    resume refuses in one line."""
+    out, stop = tmp_path / "run", tmp_path / "stop"
+    first = common(tiny_model, games["games"], out, "--learning_rate", "2e-3")
+    stopped_after_step_1(first, stop, monkeypatch, capsys)  # checkpoint-1
+    stopped_after_step_1([*first, "--resume"], stop, monkeypatch, capsys)  # checkpoint-2
+    longer = common(tiny_model, games["games"], out, "--resume")
+    longer[longer.index("--max_steps") + 1] = "5"
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as stop_after_one, pytest.raises(SystemExit) as stopped:
+        stop.touch()
+        stop_after_one.setenv("MINIDIST_STOP_FILE", str(stop))
+        finetune.main(longer)  # step 3 only: checkpoint-3
+    said = capsys.readouterr().out
+    assert stopped.value.code == 75
+    assert "--max_steps 5 on resume (the checkpoint's run had 3): training goes on to step 5" in said, said
+    finetune.main(longer)  # steps 4 and 5; checkpoint-3 was written with 5: nothing to announce
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    three, five = (type("Args", (), {"warmup_steps": 1, "max_steps": n}) for n in (3, 5))
+    assert lrs[:2] == pytest.approx([2e-3 * lr_schedule(s, three) for s in (0, 1)])  # steps 1, 2: before
+    assert lrs[2:] == pytest.approx([2e-3 * lr_schedule(s, five) for s in (2, 3, 4)])  # steps 3-5: the new schedule
+    assert lr_schedule(2, three) != pytest.approx(lr_schedule(2, five))  # so the test can tell them apart
+
+    shorter = common(tiny_model, games["games"], out, "--resume", str(out / "checkpoint-3"))
+    shorter[shorter.index("--max_steps") + 1] = "2"
+    code, line = run_in_one_line(shorter, capsys)
+    assert code == 2 and "is already at step 3; pass a --max_steps of at least 3" in line, line
 
 
 def test_a_resume_without_learning_rate_keeps_the_saved_schedule(tiny_model, games, tmp_path, monkeypatch, capsys):
@@ -133,5 +165,5 @@ def test_a_checkpoint_from_before_these_were_recorded_is_refused_in_one_line(lla
     meta["manifest_checksum"] = state._manifest_checksum(meta)
     (old / "checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="written by an older minidist, which did not record its data, "
-                                         "max_seq_length, warmup_steps, max_steps"):
+                                         "max_seq_length, warmup_steps;"):
         state.verify(old, run)
