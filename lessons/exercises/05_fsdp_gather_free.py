@@ -10,7 +10,9 @@ backward (and one unit ahead, the prefetch) and `free` after them, `wait`, the r
 the gradients. The check wraps a small network of 3 `Block` units plus the root in FSDP on 2 gloo
 ranks, with your `Unit` and with minidist's, trains both for 2 steps and compares the losses,
 each unit's gradient shard, the bytes sent, and how much gathered memory is alive: after each
-forward and backward none, at any moment at most the root, the running unit and the next one.
+forward none but the root's (it stays gathered for the backward, which starts with it, as in
+PyTorch's FSDP2), after each backward none, at any moment at most the root, the running unit and
+the next one.
 minidist's own answer is `Unit.gather` and `Unit.free`: read them after.
 """
 
@@ -49,7 +51,10 @@ class Unit(fsdp.Unit):
            until the collective is done (`wait` lets it go).
         4. Launch `comm.all_gather(self._data, self._send, group=self.fsdp.group,
            async_op=True)`, keep its handle in `self.handle`, set `self.state = "gathering"`,
-           and count one more unsharded unit.
+           and count one more unsharded unit. (minidist's own `gather` launches the same call
+           through the wrapper's all-gather stream, `self.fsdp.all_gather_stream.launch`, so that
+           on a GPU it does not queue behind a reduce-scatter: `streams.py`. On a CPU that is
+           exactly this call.)
         """
         raise NotImplementedError("Unit.gather is yours to write (its docstring says how)")
 
