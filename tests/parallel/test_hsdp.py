@@ -3,8 +3,9 @@
 HSDP shards within a node and replicates across nodes (`parallel/mesh.py`). It must not change the
 arithmetic: the hand-written one and PyTorch's FSDP2 on a 2-D mesh give the losses and weights of
 one process training on the whole global batch, with and without accumulation. It must send what
-the formula says (`parallel/comm.py`): per rank, within its node 2 all-gathers and 1 reduce-scatter
-over S ranks, 3P(S-1)/S elements, and across nodes the all-reduce of its gradient shard over the
+the formula says (`parallel/comm.py`): per rank, within its node 2 all-gathers of each layer unit,
+1 of the root (it stays gathered from forward to backward) and 1 reduce-scatter over S ranks,
+(3P - P_root)(S-1)/S elements, and across nodes the all-reduce of its gradient shard over the
 R copies, 2(P/S)(R-1)/R, which is less than what flat FSDP's ring sends across nodes. It must
 save and resume (sharded and full checkpoints, `parallel/flat_state.py`): a run resumed from a
 checkpoint of step 2 ends bitwise where the uninterrupted run ends. And the memory estimate of
