@@ -5,16 +5,22 @@ InfiniBand between nodes (12 to 25 GB/s per GPU). So the loop also records how m
 bytes cross to another node (`comm_bytes_within_node`, `comm_bytes_across_nodes` and
 `comm_bytes_across_nodes_by_rank` in metrics.jsonl, through `Strategy.take_comm_bytes(split=True)`).
 
-The rule is the ring's: a rank sends every chunk to its right neighbour, the next rank of the
-group (in group order, which is node order: ranks of a node are consecutive), so *all* of what a
-rank sends in a collective crosses nodes if that neighbour is on another node, and none of it does
-otherwise. Node = global rank // ranks per node (`LOCAL_WORLD_SIZE`, which torchrun and the
-launcher set). Over a group of N = R x S ranks on R nodes (flat FSDP) the ring crosses R times:
-R of the N ranks send all of their 3P(N-1)/N across, the others nothing, and the collective runs
-at the pace of those R inter-node links (NCCL builds its rings the same way, crossing each node
-boundary once per ring). HSDP (`fsdp.py`, `mesh.py`) keeps the gathers and the reduce-scatter
-within a node, and every rank sends across nodes only the all-reduce of its gradient shard over
-the R copies: 2(P/S)(R-1)/R elements.
+The counter's rule is a model, the simplest ring: one ring in rank order, where a rank sends every
+chunk to its right neighbour, the next rank of the group (in group order, which is node order:
+ranks of a node are consecutive), so *all* of what a rank sends in a collective crosses nodes if
+that neighbour is on another node, and none of it does otherwise. Node = global rank // ranks per
+node (`LOCAL_WORLD_SIZE`, which torchrun and the launcher set). Under this model a flat FSDP ring
+over R nodes crosses on R of its N ranks, which send all of their bytes across, the others none.
+It is a model, not a measurement (gloo's sockets are not watched, nor its own choice of
+algorithm), and it is not what NCCL does on GPU nodes.
+
+NCCL builds its rings (channels) from the topology it detects: each ring enters a node through a
+NIC, visits the node's GPUs over NVLink and leaves through a NIC, and it runs several rings at
+once so that every NIC carries one flow (NVIDIA/nccl#412). With one NIC per GPU, S per node, the
+bytes that leave a node are the same as under the rank-order ring, one rank's whole send, but they
+are shared by its S NICs: `bytes_per_nic` says how many, by formula, for flat FSDP and HSDP. HSDP
+(`fsdp.py`, `mesh.py`) keeps the gathers and the reduce-scatter within a node, and every rank sends
+across nodes only the all-reduce of its gradient shard over the R copies: 2(P/S)(R-1)/R elements.
 
 `comm.counter` tells this module's subscriber of every collective it counts and of every reset,
 so the part across nodes always covers the same collectives as the total. Importing this module
@@ -74,3 +80,34 @@ def take_split(group, device) -> dict:
     return {"comm_bytes": float(sent), "comm_bytes_within_node": float(sent - crossing),
             "comm_bytes_across_nodes": float(crossing),
             "comm_bytes_across_nodes_by_rank": torch.cat(by_rank).tolist()}  # read once, not rank by rank
+
+
+def bytes_leaving_a_node(strategy: str, params: int, root_params: int, nodes: int, per_node: int,
+                         micro_batches: int = 1, compute_bytes: int = 2, reduce_bytes: int = 4) -> Fraction:
+    """Bytes that leave one node per optimizer step for the hand-written "fsdp" (flat, over all
+    N = nodes x per_node GPUs) or "hsdp" (sharded within a node, replicated across), by formula.
+
+    Flat FSDP: every ring of N ranks leaves each node once, and what a ring link carries is what one
+    rank sends, so a node sends (N-1)/N of every collective's full size across: the layers gathered
+    twice per micro-batch and the root (`root_params`: embeddings, final norm, output layer) once,
+    in the compute dtype, and one reduce-scatter per step (accumulation under `no_sync`) in fp32:
+    (compute_bytes (2k P - k P_root) + reduce_bytes P)(N-1)/N, (4k + 4)P - 2k P_root times (N-1)/N
+    in bf16. HSDP: the S ranks of the node each all-reduce their fp32 gradient shard with their
+    R - 1 twins once per step, 2 (P/S)(R-1)/R each: reduce_bytes x 2P(R-1)/R for the node, however
+    many micro-batches. (Ring algorithm; NCCL may pick a tree for the all-reduce.)"""
+    n, k = nodes * per_node, micro_batches
+    if nodes == 1:
+        return Fraction(0)
+    if strategy == "fsdp":
+        gathered = 2 * k * params - k * root_params
+        return Fraction(compute_bytes * gathered + reduce_bytes * params) * Fraction(n - 1, n)
+    if strategy == "hsdp":
+        return Fraction(reduce_bytes * 2 * params) * Fraction(nodes - 1, nodes)
+    raise ValueError(f"bytes_leaving_a_node: strategy is fsdp or hsdp, not {strategy!r}")
+
+
+def bytes_per_nic(strategy: str, params: int, root_params: int, nodes: int, per_node: int, **kw) -> Fraction:
+    """Bytes one NIC sends to other nodes per step, with one NIC per GPU and NCCL spreading its
+    rings' node crossings evenly over them (`bytes_leaving_a_node` / per_node). Under the counter's
+    rank-order ring one GPU per node would send all of `bytes_leaving_a_node` through its NIC."""
+    return bytes_leaving_a_node(strategy, params, root_params, nodes, per_node, **kw) / per_node
