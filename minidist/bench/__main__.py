@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from minidist import bench
-from minidist.bench import collectives, strategies
+from minidist.bench import allocator, collectives, strategies
 from minidist.runtime.errors import ArgumentParser, fail
 
 # The least each flag can be (the flags a subcommand has): below it a run has nothing to time,
@@ -28,6 +28,9 @@ def check(parser, args) -> None:
     heads = max(1, getattr(args, "hidden_size", 1) // 64)  # time_implementations' heads of about 64
     if getattr(args, "hidden_size", 0) % heads:
         parser.error(f"--hidden_size {args.hidden_size} does not split into {heads} heads: pick a multiple of 64")
+    for size in getattr(args, "sizes", []):  # the allocator command's hidden sizes, checked alike
+        if size < 1 or size % max(1, size // 64):
+            parser.error(f"--sizes {size} does not split into {max(1, size // 64)} heads: pick a multiple of 64")
 
 
 def main(argv=None) -> None:
@@ -52,6 +55,16 @@ def main(argv=None) -> None:
     p.add_argument("--factor", type=int, default=4, help="like nccl-tests -f: each size is the last x factor")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per size")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size")
+    p = commands.add_parser("allocator", help="FSDP and FSDP2 per hidden size, with glibc's defaults and with freed "
+                                              "blocks kept: step time, page faults, system and user time")
+    p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 1536], help="hidden sizes, multiples of 64")
+    p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument("--batch_size", type=int, default=2)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--png", default=None, help="draw the figure here (lesson 05: lessons/figures/05_allocator.png)")
     p = commands.add_parser("gpu", help="every strategy on one GPU: step time, MFU, peak memory against the estimate")
     p.add_argument("--smoke", action="store_true", help="the same code on the CPU with tiny sizes (a check of the command)")
     p.add_argument("--out", default="runs/bench_gpu",
@@ -63,6 +76,9 @@ def main(argv=None) -> None:
     check(parser, args)
     if args.what == "gpu":
         gpu_main(args)
+        return
+    if args.what == "allocator":
+        allocator.main(args)
         return
     if args.what == "allreduce":
         collectives.bandwidth_main(args)
