@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from minidist import bench
-from minidist.bench import allocator, collectives, strategies
+from minidist.bench import allocator, collectives, strategies, sweep
 from minidist.runtime.errors import ArgumentParser, fail
 
 # The least each flag can be (the flags a subcommand has): below it a run has nothing to time,
@@ -19,15 +19,17 @@ def check(parser, args) -> None:
     """Sizes that cannot be timed, told in one line before any rank starts."""
     for name, least in AT_LEAST.items():
         value = getattr(args, name, least)
-        if value is not None and value < least:  # None: a default decided later (--ranks_per_node)
+        values = value if isinstance(value, list) else [value]  # the sweep's flags take several
+        if any(v is not None and v < least for v in values):  # None: a default decided later (--ranks_per_node)
             parser.error(f"--{name} must be at least {least}")
     if getattr(args, "bucket_cap_mb", 1) <= 0:
         parser.error("--bucket_cap_mb must be more than 0")
     if hasattr(args, "max_bytes") and args.max_bytes < args.min_bytes:
         parser.error(f"--max_bytes ({args.max_bytes}) must be at least --min_bytes ({args.min_bytes})")
-    heads = max(1, getattr(args, "hidden_size", 1) // 64)  # time_implementations' heads of about 64
-    if getattr(args, "hidden_size", 0) % heads:
-        parser.error(f"--hidden_size {args.hidden_size} does not split into {heads} heads: pick a multiple of 64")
+    for hidden_size in getattr(args, "hidden_size", []):
+        heads = max(1, hidden_size // 64)  # time_implementations' heads of about 64
+        if hidden_size % heads:
+            parser.error(f"--hidden_size {hidden_size} does not split into {heads} heads: pick a multiple of 64")
     for size in getattr(args, "sizes", []):  # the allocator command's hidden sizes, checked alike
         if size < 1 or size % max(1, size // 64):
             parser.error(f"--sizes {size} does not split into {max(1, size // 64)} heads: pick a multiple of 64")
@@ -38,9 +40,12 @@ def main(argv=None) -> None:
     commands = parser.add_subparsers(dest="what", required=True)
     for what in strategies.IMPLEMENTATIONS:
         p = commands.add_parser(what, help=f"time the hand-written {what.upper()} against PyTorch's")
-        p.add_argument("--world_size", type=int, default=2)
-        p.add_argument("--hidden_size", type=int, default=384)
-        p.add_argument("--num_layers", type=int, default=6)
+        p.add_argument("--world_size", type=int, nargs="+", default=list(sweep.WORLD_SIZES),
+                       help="one or more: each is one launch")
+        p.add_argument("--hidden_size", type=int, nargs="+", default=list(sweep.SIZES),
+                       help="one or more; one size on one world size prints every implementation's row")
+        p.add_argument("--num_layers", type=int, default=None,
+                       help="every size's (default: 8 below 1024, 4 up to 1536, 2 from 2048)")
         p.add_argument("--batch_size", type=int, default=4, help="sequences per rank per step")
         p.add_argument("--seq_len", type=int, default=64)
         p.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP and ZeRO buckets")
@@ -83,14 +88,7 @@ def main(argv=None) -> None:
     if args.what == "allreduce":
         collectives.bandwidth_main(args)
         return
-    # Import the worker under its module name: launch() starts fresh interpreters that import it.
-    from minidist.bench.strategies import time_implementations as worker
-    from minidist.runtime.launch import launch
-
-    print(f"timing on {args.world_size} ranks ...", flush=True)
-    result = launch(worker, args.world_size, args.what, args.hidden_size, args.num_layers, args.batch_size,
-                    args.seq_len, args.bucket_cap_mb, args.warmup, args.steps, args.rounds)[0]
-    print(strategies.report(args.what, result, args))
+    sweep.main(args)
 
 
 def gpu_main(args) -> None:

@@ -13,26 +13,43 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--hidden_size", "64", "--num_layers", "2", "--batch_size", "2", "--seq_len", "16",
-         "--warmup", "1", "--steps", "2", "--rounds", "2"]
+SMALL = ["--num_layers", "2", "--batch_size", "2", "--seq_len", "16", "--warmup", "1", "--steps", "2", "--rounds", "2"]
 
 
-@pytest.mark.parametrize("what,world,rows", [
-    ("fsdp", 1, ["FSDP (minidist)", "ZeRO-2 (minidist)", "fully_shard FSDP2 (torch)"]),
-    ("ddp", 2, ["naive DDP (minidist)", "bucketed DDP (minidist)", "DistributedDataParallel (torch)"]),
-])
-def test_the_strategy_bench_prints_time_and_peak_ratios(what, world, rows):
-    done = subprocess.run([sys.executable, "-m", "minidist.bench", what, "--world_size", str(world), *SMALL],
-                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+def test_one_size_on_one_world_size_prints_every_row_with_its_page_faults():
+    done = subprocess.run([sys.executable, "-m", "minidist.bench", "ddp", "--world_size", "2", "--hidden_size", "64",
+                           *SMALL], check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
-    assert f"on {world} x cpu (gloo)" in out and "vs torch (rounds)" in out and "peak" in out, out
-    for row in rows:
+    assert "on 2 x cpu (gloo)" in out and "vs torch (rounds)" in out and "faults/step" in out, out
+    for row in ["naive DDP (minidist)", "bucketed DDP (minidist)", "DistributedDataParallel (torch)"]:
         line = next(line for line in out.splitlines() if line.startswith(row))
         assert line.count("x") >= 2 and " MB" in line, line  # a time ratio with its spread, a peak and its ratio
-    assert "goal: at most" in out and "Traceback" not in done.stderr
-    if what == "fsdp":
-        assert "minidist FSDP / FSDP2, peak" in out and "ZeRO-2 peak" in out
+        assert re.search(r"( MB|-) +[\d,]+$", line), line  # bytes sent (or -) then faults per step, a count
+    for goal in ["bucketed / torch DDP, step:", "bucketed / torch DDP, peak:", "naive / bucketed DDP, step:"]:
+        line = next(line for line in out.splitlines() if line.startswith(goal))
+        assert re.search(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\), (at most|above) \d\.\d\dx: (met|missed)$", line), line
+    assert "Traceback" not in done.stderr
+
+
+def test_the_sweep_prints_each_size_goals_with_spread_and_page_faults():
+    done = subprocess.run([sys.executable, "-m", "minidist.bench", "fsdp", "--world_size", "1",
+                           "--hidden_size", "64", "128", *SMALL], check=False, capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| hidden x layers | ranks |"))
+    columns = [cell.strip() for cell in header.split("|")[1:-1]]
+    assert columns == ["hidden x layers", "ranks", "minidist FSDP / FSDP2, step", "minidist FSDP / FSDP2, peak",
+                       "ZeRO-2 / FSDP2, step", "ZeRO-2 / (FSDP2 + 4P(N-1)/N), peak", "faults, FSDP (minidist)",
+                       "faults, ZeRO-2 (minidist)", "faults, fully_shard FSDP2 (torch)"], columns
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if re.match(r"\| \d+ x \d+ \|", line)]
+    assert [row[:2] for row in rows] == [["64 x 2", "1"], ["128 x 2", "1"]], rows
+    for row in rows:
+        assert all(re.fullmatch(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\), at most \d\.\d\dx: (met|missed)", c) for c in row[2:6]), row
+        assert all(re.fullmatch(r"[\d,]+", c) for c in row[6:]), row  # minor page faults per step
+    assert "faults: minor page faults per timed step, of the rank with most" in lines
+    assert re.fullmatch(r"goals missed: \d of 8; the whole sweep took [\d,]+ s", lines[-1]), lines[-1]
 
 
 EVERY_SETUP = ["torch/ddp", "minidist/ddp", "minidist/zero1", "minidist/zero2", "minidist/fsdp", "torch/fsdp"]
