@@ -5,6 +5,7 @@ bandwidth; the GPU check.
     python -m minidist.bench fsdp       # FSDP, ZeRO-2 (minidist) and torch FSDP2; 2 CPU ranks
     python -m minidist.bench fsdp --world_size 1 --hidden_size 512 --num_layers 8 --batch_size 2 --seq_len 32
                                         # one rank, no communication, the weights dominate
+    python -m minidist.bench allocator  # FSDP and FSDP2 per hidden size, glibc's defaults against freed blocks kept
     python -m minidist.bench allreduce  # all-reduce time, algbw and busbw per message size; 2 CPU ranks
     torchrun --nproc_per_node 4 -m minidist.bench allreduce   # the same on 4 GPUs (nccl)
     python -m minidist.bench gpu        # the GPU check: every strategy on one GPU, in minutes
@@ -12,6 +13,8 @@ bandwidth; the GPU check.
 
 - `strategies.py`: step time and whole-step peak memory of each implementation, turn by turn,
   as ratios to PyTorch's, with their spread over the rounds.
+- `allocator.py`: the hand-written FSDP and FSDP2 per hidden size, each size in a fresh one-rank child with
+  glibc's defaults and with freed blocks kept: step time, page faults, system and user time (lesson 05).
 - `collectives.py`: one collective per message size, as NVIDIA's nccl-tests time it; and, in a world
   of one, what a collective through NCCL itself costs beside the local copy `comm.py` makes.
 - `gpu.py`: the GPU check. At world size 1 over NCCL, all six setups (PyTorch's DDP and FSDP2,
