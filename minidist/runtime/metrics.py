@@ -16,8 +16,10 @@ import torch
 
 from minidist.runtime.errors import UsageError
 
-# Dense bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (without sparsity).
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+# Dense bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (without sparsity), keyed by a part of the name
+# CUDA reports. The H100's PCIe card shares the SXM module's name stem ("NVIDIA H100 PCIe" against "NVIDIA H100 80GB
+# HBM3") at 756 against 989, so its key comes first: the lookup takes the first key found in the name.
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: float) -> float:
@@ -25,7 +27,7 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The bf16 peak of this GPU if we know it; None on the CPU or an unknown card."""
+    """The bf16 peak of this GPU if we know it; None on the CPU or an unknown card (the table's first key in its name)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
