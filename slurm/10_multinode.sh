@@ -13,20 +13,23 @@
 # Expected outcome (estimated, NOT run: this script has not run on GPUs yet). Per GPU per step,
 # P = 6.74e9, bf16 all-gathers, fp32 reduce-scatter and all-reduce, N = 8 GPUs, S = 4 per node, R = 2:
 # - flat FSDP: the layers all-gathered twice and the root (P_root = 262M) once, 23.1 GB, + 23.6 GB
-#   reduce-scattered = (2 (2P - P_root) + 4P) x 7/8 = 46.7 GB,
-#   on one ring 0 -> 1 -> ... -> 7 -> 0: GPUs 3 and 7 send all of theirs to the other node, the
-#   others none (`comm_bytes_across_nodes_by_rank`), and the ring moves at the pace of those two
-#   InfiniBand links: at 12-25 GB/s, 1.9-3.9 s of communication against ~0.45 s of compute;
-# - HSDP: within each node (2 (2P - P_root) + 4P) x 3/4 = 40.0 GB over NVLink (~0.2 s at ~200 GB/s), and
-#   across nodes only the all-reduce of each GPU's fp32 gradient shard, 2 x (P/4) x 1/2 x 4 bytes
-#   = 6.74 GB per GPU, every GPU alike: 0.27-0.54 s at 12-25 GB/s;
+#   reduce-scattered = (2 (2P - P_root) + 4P) x 7/8 = 46.7 GB per GPU. NCCL builds several rings from
+#   the topology, each through a node's GPUs over NVLink and out through a NIC, so with one NIC per
+#   GPU the 46.7 GB that leave each node are shared by its 4 NICs: 11.68 GB per NIC, 0.47-0.93 s at
+#   25-12.5 GB/s, against ~0.27 s of compute at the A100's bf16 peak (~0.53 s at 50% of it);
+# - HSDP: within each node (2 (2P - P_root) + 4P) x 3/4 = 40.0 GB per GPU over NVLink, and across
+#   nodes only the all-reduce of each GPU's fp32 gradient shard, 2 x (P/4) x 1/2 x 4 bytes = 6.74 GB
+#   per NIC (0.27-0.54 s at 25-12.5 GB/s), overlapped with the backward: 1.73x fewer bytes over the
+#   network than flat FSDP (8P(N-1)/N against 8P(R-1)/R, less the root's term), 4.3x with 4
+#   accumulated micro-batches (BATCH_SIZE_PER_DEVICE=1), whose gathers HSDP keeps on NVLink;
 # - memory per GPU (python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy
 #   hsdp --hsdp_shard_size 4 --world_size 8 --batch_size_per_device 4 --max_seq_length 512
 #   --gpu_memory 80GB; and --strategy fsdp): flat FSDP 13.5 GB of model states, peak ~25.0 GB;
 #   HSDP FSDP's on 4 GPUs, 27.0 GB, peak ~35.5 GB (0.26 GB of it the all-reduce's shard). Both fit.
-# So HSDP should step faster than flat FSDP on 2 nodes (compare `step_time_s` in the two
-# metrics.jsonl), at twice the model-state memory per GPU. The two runs' losses agree to rounding:
-# the same data, the same average gradient.
+# Whether HSDP steps faster than flat FSDP here depends on the NICs and the overlap: compare
+# `step_time_s` in the two metrics.jsonl. The two runs' losses agree to rounding: the same data, the
+# same average gradient. The printed bytes across nodes by rank are minidist's counter's model (one
+# ring in rank order: GPUs 3 and 7 carry flat FSDP's crossing), not what NCCL's rings send per NIC.
 # - HSDP + LoRA (rank 16 on q, k, v, o: P_lora = 16,777,216): within a node both flats are still
 #   gathered twice (bf16; the root once) and only the adapters reduce-scattered; across nodes only the all-reduce
 #   of the adapters' shard, 2 x (P_lora/4) x 1/2 x 4 bytes = 16.8 MB per GPU. Model states per GPU
