@@ -16,10 +16,11 @@
 # hybrid sharding (--strategy hsdp, lesson 10): each node's GPUs shard one copy of the model states
 # (all-gathers and reduce-scatters over NVLink), and the nodes only all-reduce their gradient
 # shards over the network, 2(P/4)(R-1)/R elements per GPU for R nodes of 4 GPUs, instead of flat
-# FSDP's (3P - P_root)(N-1)/N on a ring that crosses the network (for CodeLlama-7b in bf16 with fp32
-# reductions, 2 nodes: 6.7 GB per GPU per step across nodes, where flat FSDP over 8 sends 46.7 GB
-# per GPU on a ring whose node-crossing links carry all of it: minidist/parallel/comm.py). Memory
-# per GPU is FSDP's on 4 GPUs (27 GB of model states).
+# FSDP's (3P - P_root)(N-1)/N on rings that cross the network. NCCL spreads its rings' crossings
+# over a node's NICs (typically one per GPU), so per NIC, for CodeLlama-7b in bf16 with fp32
+# reductions on 2 nodes: HSDP 6.7 GB per step, flat FSDP 11.7 GB (1.73x; 4.3x with 4 accumulated
+# micro-batches, whose all-gathers HSDP keeps on NVLink; formulas in minidist/parallel/across_nodes.py,
+# not measured). Memory per GPU is FSDP's on 4 GPUs (27 GB of model states).
 #
 # Preemption and time limits: 300 s before the limit SLURM sends USR1 to this script; it passes the
 # signal on to the training, which finishes its step, writes a checkpoint to OUTPUT_DIR and exits;
