@@ -70,8 +70,9 @@ comm.counter.subscribers.append(split)
 def take_split(group, device) -> dict:
     """`comm.counter.take()`, with the bytes within this rank's node and across nodes (they add up
     to the total), and what every rank of `group` sent across nodes, by rank
-    (`comm_bytes_across_nodes_by_rank`): a ring crosses nodes on a few of its ranks only, and its
-    slowest link paces it. Every rank must call it (an all-gather of one number, not counted)."""
+    (`comm_bytes_across_nodes_by_rank`): under this module's model, one ring in rank order, the
+    ring crosses nodes on a few of its ranks only (NCCL's rings share a node's crossing among its
+    NICs instead: `bytes_per_nic`). Every rank must call it (an all-gather of one number, not counted)."""
     sent, crossing = split.sent, split.across
     comm.counter.take()  # the count starts again from zero, and so does `split`
     mine = torch.tensor([float(crossing)], dtype=torch.float64, device=device)
