@@ -1,0 +1,96 @@
+"""Evaluation's memory: what `Seq2SeqTrainer.evaluate` adds to a training run's peak, by formula.
+
+The estimator (`estimator.py`) traces one training step. A fine-tune under the Trainer also
+evaluates, every epoch with `eval_strategy="epoch"`, and evaluation allocates things a training
+step never does. With `predict_with_generate`, `Seq2SeqTrainer.prediction_step` (transformers
+5.x, `trainer_seq2seq.py`) does, for each eval batch of `per_device_eval_batch_size` (default 8):
+
+1. **`model.generate`**: greedy by default (`num_beams` 1), up to `max_length` tokens (the
+   `generation_max_length` argument; unset, 20 new tokens after the start token, 21 in all). An
+   encoder-decoder keeps, per decoder layer and per sequence (batch x beams), the keys and values
+   of its self-attention for every token fed so far (up to `max_length - 1`: the last token is
+   never fed back) and of its cross-attention for the whole encoder output: `kv_cache_bytes`. The
+   encoder output itself stays alive for the whole call.
+2. **A forward with the labels, for the eval loss**, under `no_grad`: nothing is saved for
+   backward, but the logits of the whole eval batch (b x target x vocab) and the loss's fp32
+   log-probabilities exist at once: `eval_forward_bytes`.
+3. **Accumulation** (`Trainer.evaluation_loop`): each batch's predictions and labels are
+   concatenated onto what came before, *on the GPU*, for the whole eval set, unless
+   `eval_accumulation_steps` moves them to the CPU every that many batches. With
+   `predict_with_generate` the predictions are token ids (int64, padded to at least 20); without
+   it they are the logits, b x target x vocab each, plus T5's encoder output:
+   `accumulated_bytes`. `torch.cat` holds the old and the new tensor at once while it grows.
+
+What `nvidia-smi` shows is none of these sums exactly: PyTorch's caching allocator keeps the
+blocks it frees *reserved* for reuse (PyTorch docs, "CUDA semantics", memory management), so
+after training the activations' blocks stay reserved when evaluation starts, and evaluation's
+differently sized blocks fit in them only in part. `reserved_bounds` gives the bracket this
+implies; where in it a run lands is the allocator's fragmentation, which only a GPU can measure
+(`torch.cuda.max_memory_reserved()` beside `torch.cuda.max_memory_allocated()`).
+
+Sizes are bytes; tests/memory/test_evaluation.py holds the cache formula to a tiny T5's
+`generate` and the accumulated bytes to a real `Seq2SeqTrainer.prediction_step`.
+"""
+
+INT64 = 8  # token ids and labels, as the tokenizer and `generate` return them
+FP32 = 4
+# GenerationConfig's default max_length. Unset, `generate` on an encoder-decoder makes 20 tokens after
+# the decoder's start token: sequences of DEFAULT_GENERATED_LENGTH (transformers 5.24, measured).
+GENERATION_CONFIG_MAX_LENGTH = 20
+DEFAULT_GENERATED_LENGTH = 21
+
+
+def kv_cache_bytes(config, sequences: int, source_length: int, cached_length: int, dtype_bytes: int) -> dict:
+    """An encoder-decoder's KV cache: self-attention over `cached_length` tokens, cross over the source.
+
+    `sequences` is the eval batch times the beams. Each decoder layer keeps a key and a value of
+    `num_heads x d_kv` per token (T5's inner width, which need not be `d_model`). After
+    generating a sequence of n tokens, n - 1 have been fed back: pass `cached_length = n - 1`."""
+    per_token = 2 * config.num_heads * config.d_kv * dtype_bytes  # K and V
+    layers = config.num_decoder_layers
+    return {"self_attention": layers * sequences * cached_length * per_token,
+            "cross_attention": layers * sequences * source_length * per_token}
+
+
+def generation_bytes(config, batch: int, source_length: int, max_length: int, dtype_bytes: int,
+                     num_beams: int = 1) -> dict:
+    """What one `generate` call holds at its last step: the full KV cache and the encoder output."""
+    sequences = batch * num_beams
+    cache = kv_cache_bytes(config, sequences, source_length, max_length - 1, dtype_bytes)
+    return {**cache, "encoder_output": sequences * source_length * config.d_model * dtype_bytes}
+
+
+def eval_forward_bytes(config, batch: int, target_length: int, logits_bytes: int) -> dict:
+    """The eval loss's forward under `no_grad`: the batch's logits and the loss's fp32 log-probabilities."""
+    elements = batch * target_length * config.vocab_size
+    return {"logits": elements * logits_bytes, "log_probs": elements * FP32}
+
+
+def accumulated_bytes(config, examples: int, *, predict_with_generate: bool, max_length: int,
+                      source_length: int, target_length: int, logits_bytes: int,
+                      config_max_length: int = GENERATION_CONFIG_MAX_LENGTH) -> dict:
+    """What `evaluation_loop` keeps on the GPU for `examples` eval examples (no `eval_accumulation_steps`).
+
+    With `predict_with_generate`: the generated ids (`max_length` of them per example) and the
+    labels, each padded up to the model's generation config's `max_length` when shorter
+    (`prediction_step` pads to that one, 20 by default, even when `generation_max_length` asked
+    for fewer). Without: T5's outputs other than the loss and the cache, the logits and the
+    encoder's last hidden state, in the dtype the forward produced (`logits_bytes`)."""
+    losses = examples * FP32  # the batch's mean loss, repeated per example
+    if predict_with_generate:
+        predictions = examples * max(max_length, config_max_length) * INT64
+        labels = examples * max(target_length, config_max_length) * INT64
+    else:
+        predictions = examples * (target_length * config.vocab_size + source_length * config.d_model) * logits_bytes
+        labels = examples * target_length * INT64
+    return {"predictions": predictions, "labels": labels, "losses": losses}
+
+
+def reserved_bounds(train_peak: float, eval_peak: float) -> tuple[float, float]:
+    """What `nvidia-smi` can show for a run that trains and evaluates, tensors alone (no CUDA context).
+
+    At least the larger of the two allocated peaks: reserved memory never drops below what is
+    allocated. About their sum at worst: the case where none of the blocks training freed (and
+    the allocator keeps) fits what evaluation asks for, so every eval tensor takes a new block.
+    A rough bound, not a hard one: fragmentation inside one phase can add to it too."""
+    return max(train_peak, eval_peak), train_peak + eval_peak

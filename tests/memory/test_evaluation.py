@@ -1,0 +1,82 @@
+"""Evaluation's terms (`memory/evaluation.py`) against what transformers really allocates.
+
+A tiny T5 whose attention width (num_heads x d_kv = 24) is not its d_model (32), so a formula
+that uses the wrong width fails; sources and targets of different lengths, so one that swaps
+them fails. The cache is the one `generate` returns; the accumulated bytes are what a real
+`Seq2SeqTrainer.prediction_step` hands to `evaluation_loop` for one batch."""
+
+import pytest
+import torch
+import transformers as T
+
+from minidist.memory import evaluation
+
+BATCH, SOURCE, TARGET, MAX_LENGTH = 3, 11, 5, 7
+
+
+@pytest.fixture(scope="module")
+def tiny_t5():
+    torch.manual_seed(0)
+    config = T.T5Config(vocab_size=64, d_model=32, d_kv=6, num_heads=4, d_ff=64, num_layers=2,
+                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T.T5ForConditionalGeneration(config).eval()
+
+
+def batch():
+    generator = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(2, 64, (BATCH, SOURCE), generator=generator),
+            "attention_mask": torch.ones(BATCH, SOURCE, dtype=torch.long),
+            "labels": torch.randint(2, 64, (BATCH, TARGET), generator=generator)}
+
+
+def cache_bytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_kv_cache_is_generates_own(tiny_t5, num_beams):
+    inputs = batch()
+    out = tiny_t5.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                           max_length=MAX_LENGTH, min_length=MAX_LENGTH, num_beams=num_beams,
+                           do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape[1] == MAX_LENGTH  # min_length: no early end, so the cache is full
+    cache = out.past_key_values
+    terms = evaluation.generation_bytes(tiny_t5.config, BATCH, SOURCE, MAX_LENGTH, dtype_bytes=4,
+                                        num_beams=num_beams)
+    assert terms["self_attention"] == cache_bytes(cache.self_attention_cache)
+    assert terms["cross_attention"] == cache_bytes(cache.cross_attention_cache)
+    encoder_output = tiny_t5.get_encoder()(input_ids=inputs["input_ids"]).last_hidden_state
+    assert terms["encoder_output"] == num_beams * encoder_output.nbytes
+
+
+def trainer(model, tmp_path, predict_with_generate):
+    args = T.Seq2SeqTrainingArguments(output_dir=str(tmp_path), predict_with_generate=predict_with_generate,
+                                      report_to=[], use_cpu=True)
+    return T.Seq2SeqTrainer(model=model, args=args)
+
+
+@pytest.mark.parametrize("predict_with_generate", [True, False])
+def test_accumulated_bytes_are_prediction_steps(tiny_t5, tmp_path, predict_with_generate):
+    """One batch's (loss, predictions, labels), as `evaluation_loop` concatenates them on the device."""
+    loss, predictions, labels = trainer(tiny_t5, tmp_path, predict_with_generate).prediction_step(
+        tiny_t5, batch(), prediction_loss_only=False, max_length=MAX_LENGTH)  # evaluate()'s generation_max_length
+    kept = predictions if isinstance(predictions, tuple) else (predictions,)
+    terms = evaluation.accumulated_bytes(tiny_t5.config, BATCH, predict_with_generate=predict_with_generate,
+                                         max_length=MAX_LENGTH, source_length=SOURCE, target_length=TARGET,
+                                         logits_bytes=4)
+    assert terms["predictions"] == sum(tensor.nbytes for tensor in kept)
+    assert terms["labels"] == labels.nbytes
+    assert terms["losses"] == loss.repeat(BATCH).nbytes  # evaluation_loop repeats the mean per example
+
+
+def test_eval_forward_logits(tiny_t5):
+    with torch.no_grad():
+        logits = tiny_t5(**batch()).logits
+    terms = evaluation.eval_forward_bytes(tiny_t5.config, BATCH, TARGET, logits_bytes=4)
+    assert terms["logits"] == logits.nbytes
+    assert terms["log_probs"] == torch.log_softmax(logits.float(), -1).nbytes
+
+
+def test_reserved_bounds():
+    assert evaluation.reserved_bounds(5.0, 2.0) == (5.0, 7.0)
+    assert evaluation.reserved_bounds(1.0, 3.0) == (3.0, 4.0)
