@@ -1,18 +1,20 @@
 """Benchmarks: the hand-written strategies against PyTorch's own, as ratios; a collective's
 bandwidth; the GPU check.
 
-    python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP; 2 CPU ranks
-    python -m minidist.bench fsdp       # FSDP, ZeRO-2 (minidist) and torch FSDP2; 2 CPU ranks
-    python -m minidist.bench fsdp --world_size 1 --hidden_size 512 --num_layers 8 --batch_size 2 --seq_len 32
-                                        # one rank, no communication, the weights dominate
+    python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP: hidden sizes 256 to 2048 on 1 and 2
+                                        # CPU ranks, each goal's ratio with its spread, page faults per step
+    python -m minidist.bench fsdp       # FSDP, ZeRO-2 (minidist) and torch FSDP2: the same sweep
+    python -m minidist.bench fsdp --world_size 1 --hidden_size 512 --num_layers 8
+                                        # one size on one rank, every implementation's row in full
     python -m minidist.bench allocator  # FSDP and FSDP2 per hidden size, glibc's defaults against freed blocks kept
     python -m minidist.bench allreduce  # all-reduce time, algbw and busbw per message size; 2 CPU ranks
     torchrun --nproc_per_node 4 -m minidist.bench allreduce   # the same on 4 GPUs (nccl)
     python -m minidist.bench gpu        # the GPU check: every strategy on one GPU, in minutes
     python -m minidist.bench gpu --smoke  # the same code on the CPU, tiny sizes, in seconds
 
-- `strategies.py`: step time and whole-step peak memory of each implementation, turn by turn,
-  as ratios to PyTorch's, with their spread over the rounds.
+- `strategies.py`: step time, whole-step peak memory and minor page faults of each implementation,
+  turn by turn, as ratios to PyTorch's, with their spread over the rounds.
+- `sweep.py`: the same over hidden sizes and world sizes, as one table of goals met or missed.
 - `allocator.py`: the hand-written FSDP and FSDP2 per hidden size, each size in a fresh one-rank child with
   glibc's defaults and with freed blocks kept: step time, page faults, system and user time (lesson 05).
 - `collectives.py`: one collective per message size, as NVIDIA's nccl-tests time it; and, in a world

@@ -46,8 +46,8 @@ def main(argv=None) -> None:
                        help="one or more; one size on one world size prints every implementation's row")
         p.add_argument("--num_layers", type=int, default=None,
                        help="every size's (default: 8 below 1024, 4 up to 1536, 2 from 2048)")
-        p.add_argument("--batch_size", type=int, default=4, help="sequences per rank per step")
-        p.add_argument("--seq_len", type=int, default=64)
+        p.add_argument("--batch_size", type=int, default=2, help="sequences per rank per step")
+        p.add_argument("--seq_len", type=int, default=32)
         p.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP and ZeRO buckets")
         p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation")
         p.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")

@@ -16,7 +16,15 @@ is mostly gloo's: `--world_size 1` leaves no communication to hide behind. And a
 a large batch is mostly activations: a wide model at a small batch is mostly weights, as at 7B.
 The peak is measured over one whole step, every live tensor counted as a GPU's allocator would
 count it (`memory/measure.step_peak`: `LiveTensors` on the CPU, the allocator's own counter on
-a GPU), not by category.
+a GPU), not by category. It comes out the same in every round, so it is measured once per rank,
+after the timed rounds, and its ratio's spread is over ranks.
+
+A third thing hides in the step time: the operating system's. Each rank counts the minor page
+faults of its process around its timed steps (`minor_page_faults`): a page mapped in on first
+touch, which is what a buffer freshly `mmap`ed costs. On the CPU a flat buffer above glibc's
+mmap threshold is mapped afresh and faulted in, page by page, every step it is remade, while
+smaller tensors are reused from the heap; a GPU's caching allocator keeps freed blocks, so it
+does not pay this (issue 34). The command prints them per step, of the rank with most.
 """
 
 import copy

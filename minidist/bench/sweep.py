@@ -17,6 +17,7 @@ import gc
 import time
 
 from minidist.bench import strategies
+from minidist.runtime.distributed import get_env
 
 SIZES = (256, 512, 1024, 1536, 2048)
 WORLD_SIZES = (1, 2)
@@ -33,9 +34,12 @@ def time_sizes(what, sizes, layers, batch_size, seq_len, bucket_cap_mb, warmup, 
     """Run in every rank: `strategies.time_implementations` for each (hidden size, layers), in turn."""
     results = []
     for hidden_size, num_layers in zip(sizes, layers):
+        start = time.perf_counter()
         results.append(strategies.time_implementations(what, hidden_size, num_layers, batch_size, seq_len,
                                                        bucket_cap_mb, warmup, steps, rounds))
         gc.collect()  # this size's three models and their optimizers go before the next size's are built
+        if get_env().is_main:  # a long sweep shows that it moves
+            print(f"  {hidden_size} x {num_layers}: {time.perf_counter() - start:,.0f} s", flush=True)
     return results
 
 
