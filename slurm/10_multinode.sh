@@ -70,7 +70,7 @@ for line in open(path):
     r = json.loads(line)
     across = r["comm_bytes_across_nodes_by_rank"]
     print(f"{name} step {r['step']}: rank 0 sent {r['comm_bytes_within_node'] / 1e9:.3f} GB within its node, "
-          f"{r['comm_bytes_across_nodes'] / 1e9:.3f} GB across nodes; across nodes, the busiest rank "
+          f"{r['comm_bytes_across_nodes'] / 1e9:.3f} GB across nodes (rank-order ring model); the busiest rank "
           f"{max(across) / 1e9:.3f} GB, all ranks {sum(across) / 1e9:.3f} GB | {r['step_time_s']:.2f} s")
 EOF
 }
