@@ -32,6 +32,8 @@ Sizes are bytes; tests/memory/test_evaluation.py holds the cache formula to a ti
 `generate` and the accumulated bytes to a real `Seq2SeqTrainer.prediction_step`.
 """
 
+import contextlib
+
 INT64 = 8  # token ids and labels, as the tokenizer and `generate` return them
 FP32 = 4
 # GenerationConfig's default max_length. Unset, `generate` on an encoder-decoder makes 20 tokens after
@@ -64,6 +66,37 @@ def eval_forward_bytes(config, batch: int, target_length: int, logits_bytes: int
     """The eval loss's forward under `no_grad`: the batch's logits and the loss's fp32 log-probabilities."""
     elements = batch * target_length * config.vocab_size
     return {"logits": elements * logits_bytes, "log_probs": elements * FP32}
+
+
+def eval_forward_peak(config, batch: int, source_length: int, target_length: int, mode: str = "bf16",
+                      fake: bool = True) -> dict:
+    """The eval loss's forward, measured: PyTorch's `MemTracker` (as `tracker.py`) around T5's own forward
+    with labels, under `no_grad` and, for `mode="bf16"`, CPU autocast, as `prediction_step` runs it.
+
+    Under `FakeTensorMode` (`fake=True`) nothing is allocated, so t5-base at batch 8 x 512 is
+    traced on a laptop; `fake=False` runs the same with real tensors (the test's check). The
+    peak holds the weights (4 bytes each: fp32 masters), the logits and the loss's fp32
+    log-probabilities (`eval_forward_bytes`), and what the formula leaves out: T5's position
+    biases (b x heads x T x T, alive for the whole stack), the hidden states and, under autocast,
+    the bf16 weight copies. Returns bytes: the peak, and its split into weights and the rest."""
+    import torch
+    import transformers as T
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from minidist.memory.trace import batch_for
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        model = T.T5ForConditionalGeneration(config).eval()
+        # The loop's shapes (`trace.batch_for`): the last pair right-padded from half its lengths.
+        inputs = batch_for(batch, source_length, padded=True, vocab_size=config.vocab_size, target_seq=target_length)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker, torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=mode == "bf16"):
+            model(**inputs).loss.detach()
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()  # one device: the CPU
+    split = {getattr(kind, "value", kind): int(size) for kind, size in snapshot.items()}
+    return {"peak": split["Total"], "weights": split["Parameter"], "rest": split["Total"] - split["Parameter"]}
 
 
 def accumulated_bytes(config, examples: int, *, predict_with_generate: bool, max_length: int,

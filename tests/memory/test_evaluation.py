@@ -80,3 +80,15 @@ def test_eval_forward_logits(tiny_t5):
 def test_reserved_bounds():
     assert evaluation.reserved_bounds(5.0, 2.0) == (5.0, 7.0)
     assert evaluation.reserved_bounds(1.0, 3.0) == (3.0, 4.0)
+
+
+def test_eval_forward_peak_fake_is_real_and_mostly_the_vocabulary():
+    """MemTracker under fake tensors gives the real tensors' figures; with a vocabulary far wider than
+    the model, the rest of the peak is the logits and the fp32 log-probabilities (a missing term fails)."""
+    config = T.T5Config(vocab_size=4096, d_model=16, d_kv=4, num_heads=2, d_ff=32, num_layers=1,
+                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    fake = evaluation.eval_forward_peak(config, BATCH, SOURCE, TARGET, mode="fp32")
+    torch.manual_seed(0)
+    assert evaluation.eval_forward_peak(config, BATCH, SOURCE, TARGET, mode="fp32", fake=False) == fake
+    vocabulary = sum(evaluation.eval_forward_bytes(config, BATCH, TARGET, logits_bytes=4).values())
+    assert vocabulary <= fake["rest"] < 1.1 * vocabulary
