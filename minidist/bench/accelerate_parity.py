@@ -27,6 +27,7 @@ import importlib
 import math
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,7 +101,7 @@ def accelerate_run(model_dir, *, steps, lr, batch, accum) -> dict:
         num_items_in_batch = accelerator.gather(torch.tensor([here], device=accelerator.device)).sum()
         step_loss = torch.zeros((), device=accelerator.device)
         for i, micro in enumerate(micro_batches):
-            with accelerator.no_sync(model) if i < len(micro_batches) - 1 else torch.enable_grad():
+            with accelerator.no_sync(model) if i < len(micro_batches) - 1 else nullcontext():
                 loss = model(**micro, use_cache=False, num_items_in_batch=num_items_in_batch).loss
                 accelerator.backward(loss * accelerator.num_processes)
             step_loss += loss.detach()
