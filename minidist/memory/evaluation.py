@@ -119,11 +119,40 @@ def accumulated_bytes(config, examples: int, *, predict_with_generate: bool, max
     return {"predictions": predictions, "labels": labels, "losses": losses}
 
 
-def reserved_bounds(train_peak: float, eval_peak: float) -> tuple[float, float]:
+def trainer_peaks(shape, setup, eval_forward: dict, *, eval_batch: int = 8, examples: int = 1000,
+                  max_length: int = DEFAULT_GENERATED_LENGTH, num_beams: int = 1,
+                  predict_with_generate: bool = True) -> dict:
+    """One GPU's allocated peaks for a Trainer run that trains (`setup`, DDP) and evaluates as `Seq2SeqTrainer`.
+
+    Training is the estimator's traced step (`estimator.estimate`), less DDP's buckets on one GPU:
+    the Trainer wraps a model in DDP only when several processes run. Evaluation runs between
+    steps, after `zero_grad(set_to_none=True)`: the weights, AdamW's moments and DDP's buckets stay
+    (`resident`); on top, the accumulated predictions of the whole eval set, and the larger of
+    the eval forward's own tensors (`eval_forward`, from `eval_forward_peak` at the eval batch)
+    and one `generate` call's cache and encoder output. Bytes, by term, with both peaks."""
+    from minidist.memory import estimator
+
+    train = estimator.estimate(shape, setup)
+    buckets = train["buckets"] if setup.world_size > 1 else 0
+    resident = train["parameters"] + train["optimizer_states"] + buckets
+    length, dtype_bytes = setup.max_seq_length, 4 if setup.options.mixed_precision == "fp32" else 2
+    target = setup.target_length or length
+    generation = sum(generation_bytes(shape.config, eval_batch, length, max_length, dtype_bytes, num_beams).values())
+    accumulated = sum(accumulated_bytes(shape.config, examples, predict_with_generate=predict_with_generate,
+                                        max_length=max_length, source_length=length, target_length=target,
+                                        logits_bytes=dtype_bytes).values())
+    eval_peak = resident + accumulated + max(eval_forward["rest"], generation)
+    return {"train_peak": train["peak"] - train["buckets"] + buckets, "resident": resident,
+            "eval_forward": eval_forward["rest"], "generation": generation, "accumulated": accumulated,
+            "eval_peak": eval_peak}
+
+
+def reserved_bounds(train_peak: float, eval_peak: float, resident: float) -> tuple[float, float]:
     """What `nvidia-smi` can show for a run that trains and evaluates, tensors alone (no CUDA context).
 
     At least the larger of the two allocated peaks: reserved memory never drops below what is
-    allocated. About their sum at worst: the case where none of the blocks training freed (and
-    the allocator keeps) fits what evaluation asks for, so every eval tensor takes a new block.
-    A rough bound, not a hard one: fragmentation inside one phase can add to it too."""
-    return max(train_peak, eval_peak), train_peak + eval_peak
+    allocated. About the training peak plus evaluation's own tensors (its peak less the `resident`
+    states both share) at worst: the case where none of the blocks training freed (and the
+    allocator keeps) fits what evaluation asks for, so every eval tensor takes a new block. A
+    rough bound, not a hard one: fragmentation inside one phase can add to it too."""
+    return max(train_peak, eval_peak), train_peak + eval_peak - resident

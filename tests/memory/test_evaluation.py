@@ -78,8 +78,8 @@ def test_eval_forward_logits(tiny_t5):
 
 
 def test_reserved_bounds():
-    assert evaluation.reserved_bounds(5.0, 2.0) == (5.0, 7.0)
-    assert evaluation.reserved_bounds(1.0, 3.0) == (3.0, 4.0)
+    assert evaluation.reserved_bounds(5.0, 3.0, resident=1.0) == (5.0, 7.0)
+    assert evaluation.reserved_bounds(2.0, 3.0, resident=1.0) == (3.0, 4.0)
 
 
 def test_eval_forward_peak_fake_is_real_and_mostly_the_vocabulary():
@@ -92,3 +92,29 @@ def test_eval_forward_peak_fake_is_real_and_mostly_the_vocabulary():
     assert evaluation.eval_forward_peak(config, BATCH, SOURCE, TARGET, mode="fp32", fake=False) == fake
     vocabulary = sum(evaluation.eval_forward_bytes(config, BATCH, TARGET, logits_bytes=4).values())
     assert vocabulary <= fake["rest"] < 1.1 * vocabulary
+
+
+def test_trainer_peaks_wiring(tiny_t5, tmp_path):
+    """The Trainer's run on one GPU and on two: DDP's buckets only with two, eval terms at the eval batch
+    (8, not the training batch) in the compute dtype, the eval peak their sum on the resident states."""
+    from dataclasses import replace
+
+    from minidist.memory import estimator
+
+    tiny_t5.config.save_pretrained(tmp_path)
+    shape = estimator.model_shape(str(tmp_path))
+    one = estimator.setup(strategy="ddp", impl="torch", mixed_precision="bf16", batch_size_per_device=1,
+                          max_seq_length=SOURCE, target_length=TARGET)
+    forward = {"rest": 0}
+    for setup in (one, replace(one, world_size=2)):
+        train = estimator.estimate(shape, setup)
+        peaks = evaluation.trainer_peaks(shape, setup, forward, examples=10, predict_with_generate=False)
+        buckets = train["buckets"] if setup.world_size == 2 else 0
+        assert peaks["resident"] == train["parameters"] + train["optimizer_states"] + buckets
+        assert peaks["train_peak"] == train["peak"] - train["buckets"] + buckets
+        generation = evaluation.generation_bytes(shape.config, 8, SOURCE, evaluation.DEFAULT_GENERATED_LENGTH, 2)
+        assert peaks["generation"] == sum(generation.values())
+        accumulated = evaluation.accumulated_bytes(shape.config, 10, predict_with_generate=False, max_length=21,
+                                                   source_length=SOURCE, target_length=TARGET, logits_bytes=2)
+        assert peaks["accumulated"] == sum(accumulated.values())
+        assert peaks["eval_peak"] == peaks["resident"] + peaks["accumulated"] + peaks["generation"]
