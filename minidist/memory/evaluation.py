@@ -34,6 +34,8 @@ Sizes are bytes; tests/memory/test_evaluation.py holds the cache formula to a ti
 
 import contextlib
 
+from minidist.memory import cache
+
 INT64 = 8  # token ids and labels, as the tokenizer and `generate` return them
 FP32 = 4
 # GenerationConfig's default max_length. Unset, `generate` on an encoder-decoder makes 20 tokens after
@@ -78,7 +80,16 @@ def eval_forward_peak(config, batch: int, source_length: int, target_length: int
     peak holds the weights (4 bytes each: fp32 masters), the logits and the loss's fp32
     log-probabilities (`eval_forward_bytes`), and what the formula leaves out: T5's position
     biases (b x heads x T x T, alive for the whole stack), the hidden states and, under autocast,
-    the bf16 weight copies. Returns bytes: the peak, and its split into weights and the rest."""
+    the bf16 weight copies. Returns bytes: the peak, and its split into weights and the rest.
+    A fake trace takes seconds to a minute, so it is kept on disk (`cache.py`) like the estimator's."""
+    if fake:
+        key = {"config": config.to_json_string(), "sizes": [batch, source_length, target_length], "mode": mode}
+        return cache.cached("eval_forward", key, lambda: _eval_forward_peak(config, batch, source_length,
+                                                                             target_length, mode, fake))
+    return _eval_forward_peak(config, batch, source_length, target_length, mode, fake)
+
+
+def _eval_forward_peak(config, batch: int, source_length: int, target_length: int, mode: str, fake: bool) -> dict:
     import torch
     import transformers as T
     from torch._subclasses.fake_tensor import FakeTensorMode
