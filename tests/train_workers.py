@@ -48,8 +48,9 @@ def train_steps(model, strategy, optimizer, sequences, sampler, pad_token_id, mi
     return losses, grad_norms, comm_bytes, after
 
 
-def evaluate_sharded(model_dir, strategy_name, num_prefixes):
-    """The legal-move rate of a model wrapped by `strategy_name`, each rank judging its share."""
+def evaluate_sharded(model_dir, strategy_name, num_prefixes, impl="torch"):
+    """The legal-move rate of a model wrapped by `strategy_name`, each rank judging its share, and
+    (`continuations`) the greedy continuation of every prefix, each rank writing them all."""
     from minidist.chess import jsonl, legal_moves
     from minidist.chess.games import bundled_games
     from minidist.hf import models
@@ -59,9 +60,12 @@ def evaluate_sharded(model_dir, strategy_name, num_prefixes):
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
-    model = get_strategy(ParallelOptions(strategy_name, "torch"), env).wrap(models.load_model(model_dir))
+    model = get_strategy(ParallelOptions(strategy_name, impl), env).wrap(models.load_model(model_dir))
     prefixes = legal_moves.game_prefixes(jsonl.load_games(bundled_games("test")), num_prefixes)
-    return legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
+    result = legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
+    new_tokens = legal_moves.tokens_per_move(tokenizer) + 1
+    prompts = [" ".join(p) for p in prefixes]
+    return {**result, "continuations": legal_moves.greedy_continue(model, tokenizer, prompts, new_tokens, env.device)}
 
 
 def run_finetunes_then_leave(argvs):

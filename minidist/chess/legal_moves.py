@@ -10,9 +10,12 @@ scores near 1.
 It reads text, not tokens, so the tiny Llama (one token per move) and CodeLlama (several
 sub-word tokens per move) are judged the same way.
 
-Every rank runs the same number of forward passes, even if it has fewer prefixes: under FSDP a
-forward pass is a collective (each unit all-gathers its parameters), so a rank that stopped
-early would leave the others waiting forever.
+The model continues through Hugging Face's `model.generate` (greedy, with the key/value cache),
+the call a learner meets everywhere else. Every rank runs the same number of forward passes,
+even if it has fewer prefixes: under FSDP a forward pass is a collective (each unit all-gathers
+its parameters), so a rank that stopped early would leave the others waiting forever. So every
+rank runs as many batches (the short ones padded with uncounted copies), and within a batch
+`generate(synced_gpus=True)` keeps every rank stepping until all are done.
 
 The command that runs it on a saved model is `python -m minidist.evaluate` (`minidist/evaluate.py`).
 """
@@ -20,10 +23,14 @@ The command that runs it on a saved model is `python -m minidist.evaluate` (`min
 import math
 import random
 import statistics
+from contextlib import contextmanager
 
 import chess
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+from minidist.parallel.fsdp import FullyShardedDataParallel
 
 RESULTS = ("1-0", "0-1", "1/2-1/2", "*")  # the last word of every game: python-chess's board.result()
 
@@ -124,11 +131,28 @@ def tokens_per_move(tokenizer) -> int:
 @torch.no_grad()
 def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, device,
                     max_length: int | None = None) -> list[str]:
-    """Greedy decoding for a batch, left-padded so every prompt ends at the last column.
+    """Greedy decoding for a batch through Hugging Face's `generate`, left-padded so every prompt
+    ends at the last column (`generate` then numbers the positions from the attention mask, so a
+    padded prompt sees the positions it was trained on), with the key/value cache: each new token
+    costs one position's forward, not the whole sequence's.
+
+    Exactly `max_new_tokens` are written: the end-of-sequence token does not stop a row
+    (`eos_token_id=None`), and the text is read with special tokens skipped, as the decoding by
+    hand that this replaced did, so the rate of a model that writes `</s>` first is unchanged.
 
     With `max_length` (the model's context), a prompt keeps only its last `max_length -
     max_new_tokens` tokens: the moves next to the one asked for matter most, and a model with
     learned positions (GPT-2) has no embedding for a position past its context at all."""
+    ids, mask = _left_padded(tokenizer, prompts, max_new_tokens, max_length)
+    with _ready_to_generate(model) as (generator, sharded):
+        out = generator.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=None,
+                                 pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded)
+    return [tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out.tolist()]
+
+
+def _left_padded(tokenizer, prompts: list[str], max_new_tokens: int, max_length: int | None):
+    """The prompts' token ids, cut to fit the context and padded on the left, and their attention mask."""
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
     if max_length is not None:
         keep = max_length - max_new_tokens
@@ -141,16 +165,44 @@ def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, d
     for row, seq in enumerate(encoded):
         ids[row, width - len(seq):] = torch.tensor(seq)
         mask[row, width - len(seq):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    for _ in range(max_new_tokens):
-        # Positions count real tokens only, so a left-padded prompt sees the positions it was trained on.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # Each step re-reads the whole sequence (no key/value cache): slower, but every rank does
-        # the same full forward pass, which FSDP needs, and the code stays short.
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, -1]
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in ids.tolist()]
+    return ids, mask
+
+
+@contextmanager
+def _ready_to_generate(model):
+    """The Hugging Face model to call `generate` on, inside its wrapper, and whether the model is
+    sharded. Sharded, each forward is a collective, and `synced_gpus=True` keeps every rank
+    stepping until the last rank's rows are done, as a rank that stopped early would leave the
+    others waiting. (Here every rank writes exactly `max_new_tokens`, the end-of-sequence stop
+    being off, so the ranks agree anyway; `synced_gpus` keeps the call safe if a stop is turned on.)
+
+    - FSDP2: `fully_shard` knows `forward` only. `register_fsdp_forward_method` runs FSDP2's pre-
+      and post-forward around `generate` itself, as PyTorch documents for any other entry point,
+      so the root is gathered before `generate` reads anything; inside, every forward still fires
+      each layer's hooks. (On CPU ranks the tiny model's evaluation also runs without it: the
+      root's own hooks fire on each forward that `generate` makes.)
+    - The hand-written FSDP (`parallel/fsdp.py`): each layer unit's hooks fire on every forward
+      call, as FSDP2's do. The root (embeddings, final norm, output layer) is gathered by the
+      wrapper's own `forward`, which `generate` on the inner model never calls, so it is gathered
+      here for the whole call and freed after. Without this, the first forward finds no weights.
+    - Replicated models (DDP, ZeRO-1/2, one process): the model inside `.module`, as it is."""
+    if isinstance(model, FSDPModule):
+        if "generate" not in vars(model):  # once: each registration would wrap the method again
+            register_fsdp_forward_method(model, "generate")
+        yield model, True
+    elif isinstance(model, FullyShardedDataParallel):
+        root = model.root
+        root.gather()
+        root.wait()
+        root.use_views()
+        try:
+            yield model.module, True
+        finally:
+            root.free()
+    else:
+        while hasattr(model, "module"):
+            model = model.module
+        yield model, False
 
 
 def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32) -> dict:
