@@ -140,7 +140,8 @@ def trainer_peaks(shape, setup, eval_forward: dict, *, eval_batch: int = 8, exam
     steps, after `zero_grad(set_to_none=True)`: the weights, AdamW's moments and DDP's buckets stay
     (`resident`); on top, the accumulated predictions of the whole eval set, and the larger of
     the eval forward's own tensors (`eval_forward`, from `eval_forward_peak` at the eval batch)
-    and one `generate` call's cache and encoder output. Bytes, by term, with both peaks."""
+    and one `generate` call's cache and encoder output; or, if larger, the last concatenation,
+    old and grown predictions at once. Bytes, by term, with both peaks."""
     from minidist.memory import estimator
 
     train = estimator.estimate(shape, setup)
@@ -149,10 +150,16 @@ def trainer_peaks(shape, setup, eval_forward: dict, *, eval_batch: int = 8, exam
     length, dtype_bytes = setup.max_seq_length, 4 if setup.options.mixed_precision == "fp32" else 2
     target = setup.target_length or length
     generation = sum(generation_bytes(shape.config, eval_batch, length, max_length, dtype_bytes, num_beams).values())
-    accumulated = sum(accumulated_bytes(shape.config, examples, predict_with_generate=predict_with_generate,
-                                        max_length=max_length, source_length=length, target_length=target,
-                                        logits_bytes=dtype_bytes).values())
-    eval_peak = resident + accumulated + max(eval_forward["rest"], generation)
+
+    def kept(count: int) -> int:
+        return sum(accumulated_bytes(shape.config, count, predict_with_generate=predict_with_generate,
+                                     max_length=max_length, source_length=length, target_length=target,
+                                     logits_bytes=dtype_bytes).values())
+
+    accumulated = kept(examples)
+    # The last batch's `torch.cat` (`nested_concat`) makes the grown tensor while the old one still exists.
+    concatenating = kept(examples - eval_batch) + accumulated
+    eval_peak = resident + max(accumulated + max(eval_forward["rest"], generation), concatenating)
     return {"train_peak": train["peak"] - train["buckets"] + buckets, "resident": resident,
             "eval_forward": eval_forward["rest"], "generation": generation, "accumulated": accumulated,
             "eval_peak": eval_peak}

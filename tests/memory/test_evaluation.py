@@ -96,7 +96,7 @@ def test_eval_forward_peak_fake_is_real_and_mostly_the_vocabulary():
 
 def test_trainer_peaks_wiring(tiny_t5, tmp_path):
     """The Trainer's run on one GPU and on two: DDP's buckets only with two, eval terms at the eval batch
-    (8, not the training batch) in the compute dtype, the eval peak their sum on the resident states."""
+    (8, not the training batch) in the compute dtype, the eval peak at the last concatenation of kept logits."""
     from dataclasses import replace
 
     from minidist.memory import estimator
@@ -108,13 +108,17 @@ def test_trainer_peaks_wiring(tiny_t5, tmp_path):
     forward = {"rest": 0}
     for setup in (one, replace(one, world_size=2)):
         train = estimator.estimate(shape, setup)
-        peaks = evaluation.trainer_peaks(shape, setup, forward, examples=10, predict_with_generate=False)
+        peaks = evaluation.trainer_peaks(shape, setup, forward, examples=100, predict_with_generate=False)
         buckets = train["buckets"] if setup.world_size == 2 else 0
         assert peaks["resident"] == train["parameters"] + train["optimizer_states"] + buckets
         assert peaks["train_peak"] == train["peak"] - train["buckets"] + buckets
         generation = evaluation.generation_bytes(shape.config, 8, SOURCE, evaluation.DEFAULT_GENERATED_LENGTH, 2)
         assert peaks["generation"] == sum(generation.values())
-        accumulated = evaluation.accumulated_bytes(shape.config, 10, predict_with_generate=False, max_length=21,
+        accumulated = evaluation.accumulated_bytes(shape.config, 100, predict_with_generate=False, max_length=21,
                                                    source_length=SOURCE, target_length=TARGET, logits_bytes=2)
         assert peaks["accumulated"] == sum(accumulated.values())
-        assert peaks["eval_peak"] == peaks["resident"] + peaks["accumulated"] + peaks["generation"]
+        before_last = evaluation.accumulated_bytes(shape.config, 100 - 8, predict_with_generate=False, max_length=21,
+                                                   source_length=SOURCE, target_length=TARGET, logits_bytes=2)
+        concatenating = sum(before_last.values()) + peaks["accumulated"]  # torch.cat's old and new at once
+        assert concatenating > peaks["accumulated"] + peaks["generation"]  # here the larger: the case tested
+        assert peaks["eval_peak"] == peaks["resident"] + concatenating
