@@ -13,6 +13,8 @@
 - `timeline.py`: live bytes over one step, sampled (`MemoryTimeline`), and their figure.
 - `report.py`: the estimate as people read it: a table, a README table, other estimators' figures.
 - `tracker.py`: PyTorch's own `MemTracker` on one step of the whole model under fake tensors.
+- `evaluation.py`: what `Seq2SeqTrainer`'s evaluation adds (`generate`'s KV cache, the eval forward, kept
+  predictions) and reserved against allocated memory: lesson 00's T5 diary.
 - `__main__.py`: the command, `python -m minidist.memory MODEL --strategy fsdp --world_size 4 ...`.
 
 Nothing is imported here: `import minidist.memory.measure` (the loop's) does not load the estimator.
