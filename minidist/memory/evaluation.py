@@ -1,4 +1,4 @@
-"""Evaluation's memory: what `Seq2SeqTrainer.evaluate` adds to a training run's peak, by formula.
+"""Evaluation's memory: what `Seq2SeqTrainer.evaluate` adds to a training run's peak (`trainer_peaks`).
 
 The estimator (`estimator.py`) traces one training step. A fine-tune under the Trainer also
 evaluates, every epoch with `eval_strategy="epoch"`, and evaluation allocates things a training
@@ -13,7 +13,8 @@ step never does. With `predict_with_generate`, `Seq2SeqTrainer.prediction_step` 
    encoder output itself stays alive for the whole call.
 2. **A forward with the labels, for the eval loss**, under `no_grad`: nothing is saved for
    backward, but the logits of the whole eval batch (b x target x vocab) and the loss's fp32
-   log-probabilities exist at once: `eval_forward_bytes`.
+   log-probabilities exist at once: `eval_forward_bytes` by formula, `eval_forward_peak` with all
+   the rest, measured by PyTorch's `MemTracker`.
 3. **Accumulation** (`Trainer.evaluation_loop`): each batch's predictions and labels are
    concatenated onto what came before, *on the GPU*, for the whole eval set, unless
    `eval_accumulation_steps` moves them to the CPU every that many batches. With
@@ -29,7 +30,9 @@ implies; where in it a run lands is the allocator's fragmentation, which only a 
 (`torch.cuda.max_memory_reserved()` beside `torch.cuda.max_memory_allocated()`).
 
 Sizes are bytes; tests/memory/test_evaluation.py holds the cache formula to a tiny T5's
-`generate` and the accumulated bytes to a real `Seq2SeqTrainer.prediction_step`.
+`generate`, the accumulated bytes to a real `Seq2SeqTrainer.prediction_step`, and the fake
+trace of the eval forward to real tensors. Lesson 00 (its T5 diary) and notebook 00's section 2c
+use them.
 """
 
 import contextlib
