@@ -79,6 +79,7 @@ import torch.distributed as dist
 # Imported before any process group exists, on purpose: see "Leaving cleanly" above.
 import torch.distributed.nn  # noqa: F401
 
+from minidist.runtime.allocator import keep_freed_blocks
 from minidist.runtime.errors import UsageError
 from minidist.runtime.roll_call import EVERY_S, RollCall, ranks_named
 
@@ -299,6 +300,10 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
         if "OMP_NUM_THREADS" not in os.environ:
             # N ranks on one laptop each default to all cores: share them out instead.
             torch.set_num_threads(max(1, usable_cores() // where["local_world_size"]))
+        # Before the group starts gloo's threads and the model its large buffers (allocator.py).
+        line = keep_freed_blocks(device)
+        if line and where["rank"] == 0:
+            print(line, flush=True)
 
     if where["source"] == "torchrun":
         # torchrun's agent already runs the store the ranks should meet at; env:// uses it.

@@ -39,8 +39,10 @@ import signal
 import sys
 import time
 import traceback
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 
+from minidist.runtime.allocator import tunables_for_new_processes
 from minidist.runtime.distributed import cleanup, find_free_port, init_distributed
 
 # What the fork server imports once for every rank: torch alone. Not transformers: huggingface_hub
@@ -51,6 +53,7 @@ _PRELOAD = ["torch", "torch.distributed"]
 # (torch does) is unsafe, which is why Python spawns there by default. Those keep spawn.
 _START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
 _GRACE_S = 5.0  # how long a terminated (or finished) rank gets before we kill it
+_server_tunables: tuple | None = None  # (GLIBC_TUNABLES,) the fork server was started with; None: not yet
 
 
 class RankFailed(RuntimeError):
@@ -141,6 +144,7 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
     ctx = multiprocessing.get_context(_START_METHOD)
     if _START_METHOD == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first launch
+        _fork_server_with(tunables_for_new_processes(os.environ))
     port = find_free_port()
     procs, readers = [], {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -168,6 +172,27 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
         _stop(procs)  # a no-op when all exited; otherwise terminate, kill, join
         for reader in readers:
             reader.close()
+
+
+def _fork_server_with(tunables: str | None) -> None:
+    """Start the fork server with `tunables` as its GLIBC_TUNABLES (the tcache off: `allocator.py`), or
+    restart it if it runs with others (MINIDIST_GLIBC_DEFAULTS changed since it started). glibc reads
+    the variable when a program starts, and the ranks are forked from the server: so it is the
+    server's. The caller's own environment is left as it was."""
+    global _server_tunables
+    if _server_tunables == (tunables,):
+        return
+    forkserver._forkserver._stop()  # a private method (CPython's own tests use it); no-op if none runs
+    before = os.environ.pop("GLIBC_TUNABLES", None)
+    if tunables is not None:
+        os.environ["GLIBC_TUNABLES"] = tunables
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop("GLIBC_TUNABLES", None)
+        if before is not None:
+            os.environ["GLIBC_TUNABLES"] = before
+    _server_tunables = (tunables,)
 
 
 def _check_launchable(fn, world_size: int, nodes: int) -> None:
