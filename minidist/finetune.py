@@ -41,7 +41,7 @@ from minidist.checkpoint.session import Session
 from minidist.chess import jsonl, legal_moves
 from minidist.chess.games import bundled_games
 from minidist.hf import lora, model_folder, models
-from minidist.runtime import divergence, metrics
+from minidist.runtime import divergence, metrics, tensorboard
 from minidist.runtime.distributed import cleanup, init_distributed, use_cores_for_offload
 from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
+    p.add_argument("--report_to", type=tensorboard.report_to, choices=tensorboard.CHOICES, default="none",
+                   help="tensorboard: rank 0 also writes metrics.jsonl's records to OUTPUT_DIR/tensorboard")
     p.add_argument("--trace_memory_every", type=int, default=0, metavar="N",
                    help="on CPU, count the whole step's peak of live tensors (memory/measure.py, several times slower) on "
                         "the first step and every Nth after it (0: the first only); a GPU counts every step")
@@ -190,7 +192,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
         f"{env.world_size} x {env.device.type} | global batch {games.sampler.global_batch_size} = {micro_bs} x "
         f"{mesh.size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
-    log = metrics.MetricsLog(session.metrics_path) if env.is_main else None
+    log = metrics.MetricsLog(session.metrics_path, args.report_to) if env.is_main else None
     restored = _resumed(session, log, scheduler, args, say)  # with --resume: where to go on from, what came before
     if restored:
         start, results = restored

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
+from minidist.runtime import tensorboard
 from minidist.runtime.errors import UsageError
+from minidist.runtime.tensorboard import TensorBoardLog
 
 # Dense bf16 tensor-core peak in FLOP/s, from NVIDIA's data sheets (without sparsity), keyed by a part of the name
 # CUDA reports. The H100's PCIe card shares the SXM module's name stem ("NVIDIA H100 PCIe" against "NVIDIA H100 80GB
@@ -35,11 +37,15 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 class MetricsLog:
-    """Append one JSON object per step to a file, flushed at once: a crash loses no step."""
+    """Append one JSON object per step to a file, flushed at once: a crash loses no step.
 
-    def __init__(self, path: Path):
+    `report_to="tensorboard"`: each record also goes to TensorBoard, in the file's folder
+    (`runtime/tensorboard.py`); the file stays the source of truth, written first."""
+
+    def __init__(self, path: Path, report_to: str = "none"):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the whole run: `close`)
+        self.board = TensorBoardLog(path.parent / tensorboard.FOLDER) if report_to == "tensorboard" else None
 
     def write(self, record: dict) -> None:
         try:
@@ -49,9 +55,13 @@ class MetricsLog:
         except OSError as err:  # a full disk: one line (rank 0 writes this; torchrun then ends the others)
             raise UsageError(f"could not write {self.file.name}: {err.strerror}; free some space and run again "
                              f"with --resume") from err
+        if self.board:
+            self.board.write(record)
 
     def close(self) -> None:
         self.file.close()
+        if self.board:
+            self.board.close()
 
 
 class StepRecorder:
