@@ -20,7 +20,7 @@ a GPU), not by category. It comes out the same in every round, so it is measured
 after the timed rounds, and its ratio's spread is over ranks.
 
 A third thing hides in the step time: the operating system's. Each rank counts the minor page
-faults of its process around its timed steps (`minor_page_faults`): a page mapped in on first
+faults of its process around its timed steps (`runtime.allocator.minor_page_faults`): a page mapped in on first
 touch, which is what a buffer freshly `mmap`ed costs. On the CPU a flat buffer above glibc's
 mmap threshold is mapped afresh and faulted in, page by page, every step it is remade, while
 smaller tensors are reused from the heap; a GPU's caching allocator keeps freed blocks, so it
@@ -28,7 +28,6 @@ does not pay this (issue 34). The command prints them per step, of the rank with
 """
 
 import copy
-import resource
 import statistics
 import time
 import warnings
@@ -36,6 +35,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from minidist.runtime.allocator import minor_page_faults
 from minidist.runtime.distributed import get_env
 
 # What each comparison is a ratio to, and its goals (the issue's): each hand-written strategy within 1.05x of
@@ -164,14 +164,6 @@ def time_implementations(what, hidden_size, num_layers, batch_size, seq_len, buc
             "peaks": {name: max(peaks) for name, peaks in rank_peaks.items()},  # the rank that needs most
             "rank_faults": {name: by_rank(n / (rounds * steps)) for name, n in faults.items()},
             "device": str(env.device), "backend": env.backend}
-
-
-def minor_page_faults() -> int:
-    """Minor page faults of this process so far (every thread): a page the kernel had to map
-    in, typically the first touch of memory freshly `mmap`ed. glibc serves a large allocation
-    that way and `munmap`s it when freed, so a step that remakes large buffers pays a fault per
-    4 KB page it touches, every step: this is how the bench shows it."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def by_rank(value: float) -> list[float]:

@@ -28,7 +28,7 @@ def test_one_size_on_one_world_size_prints_every_row_with_its_page_faults():
         assert re.search(r"( MB|-) +[\d,]+$", line), line  # bytes sent (or -) then faults per step, a count
     for goal in ["bucketed / torch DDP, step:", "bucketed / torch DDP, peak:", "naive / bucketed DDP, step:"]:
         line = next(line for line in out.splitlines() if line.startswith(goal))
-        assert re.search(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\), (at most|above) \d\.\d\dx: (met|missed)$", line), line
+        assert re.search(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\), (at most|above) \d\.\d\dx: (met|missed)$", line), line
     assert "Traceback" not in done.stderr
 
 
@@ -46,7 +46,7 @@ def test_the_sweep_prints_each_size_goals_with_spread_and_page_faults():
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if re.match(r"\| \d+ x \d+ \|", line)]
     assert [row[:2] for row in rows] == [["64 x 2", "1"], ["128 x 2", "1"]], rows
     for row in rows:
-        assert all(re.fullmatch(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\), at most \d\.\d\dx: (met|missed)", c) for c in row[2:6]), row
+        assert all(re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\), at most \d\.\d\dx: (met|missed)", c) for c in row[2:6]), row
         assert all(re.fullmatch(r"[\d,]+", c) for c in row[6:]), row  # minor page faults per step
     assert "faults: minor page faults per timed step, of the rank with most" in lines
     assert re.fullmatch(r"goals missed: \d of 8; the whole sweep took [\d,]+ s", lines[-1]), lines[-1]
