@@ -8,14 +8,16 @@ raised as large blocks are freed, never above 32 MiB on 64-bit Linux) with a fre
 gives it back with `munmap` when it is freed. The kernel then maps every 4 KiB page of the next
 such buffer again, on first touch: a minor page fault, paid in system time. An FSDP unit's flat
 buffer is one large allocation (a 1536-wide Llama layer is 113 MB in fp32), made and freed on
-every gather; FSDP2's per-parameter tensors are 25 MB at most there, below the threshold once it
-has risen, so the heap reuses them.
+every gather, and its gradient is one flat tensor too. FSDP2 makes unit-sized flat buffers for its
+collectives as well, but the tensors autograd works on are per parameter, 25 MB at most there: below
+the threshold once it has risen, so the heap reuses them. Lesson 05 has the measured counts.
 
-`minidist.runtime.allocator.keep_freed_blocks`, called by `init_distributed` on CPU ranks, raises
-glibc's thresholds so that the heap keeps large blocks as the CUDA allocator does;
-`MINIDIST_GLIBC_DEFAULTS=1` in the environment leaves glibc as it is. This command runs the same
-workload twice per hidden size, each time in a fresh one-rank child (`launch`), first with
-`MINIDIST_GLIBC_DEFAULTS=1` ("before"), then without ("after"): the hand-written FSDP and FSDP2,
+`minidist.runtime.allocator.keep_freed_blocks`, called by `init_distributed` on CPU ranks, makes
+glibc serve every block from its heap and never trim it, so that freed large blocks are kept for
+reuse as the CUDA allocator keeps them; `MINIDIST_GLIBC_DEFAULTS=1` in the environment leaves glibc
+as it is. This command runs the same workload twice per hidden size, each time in a fresh one-rank
+child (`launch`), first with `MINIDIST_GLIBC_DEFAULTS=1` ("before"), then without ("after"): the
+hand-written FSDP and FSDP2,
 built and timed as `strategies.py` builds and times them, taking turns round by round. Per step
 it reports the median time with the spread of the per-round medians, and what
 `resource.getrusage` counts for the process over the timed steps: minor page faults, system and
@@ -30,12 +32,13 @@ import warnings
 
 import torch
 
+from minidist.runtime.allocator import DEFAULTS_VARIABLE
+
 # The two implementations compared, as `strategies._wrapped` takes them.
 IMPLEMENTATIONS = {"FSDP (minidist)": {"impl": "minidist", "strategy": "fsdp"},
                    "fully_shard FSDP2 (torch)": {"impl": "torch", "strategy": "fsdp"}}
 # Each condition is the environment a child runs under: with glibc's defaults, then with freed blocks kept.
-CONDITIONS = {"before (glibc defaults)": {"MINIDIST_GLIBC_DEFAULTS": "1"}, "after (freed blocks kept)": {}}
-DEFAULTS_VARIABLE = "MINIDIST_GLIBC_DEFAULTS"
+CONDITIONS = {"before (glibc defaults)": {DEFAULTS_VARIABLE: "1"}, "after (freed blocks kept)": {}}
 
 
 def usage() -> tuple[int, float, float]:
