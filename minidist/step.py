@@ -91,7 +91,9 @@ def train_step(model, strategy, micro_batches, num_targets: int, world_size: int
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        # Only the last micro-batch communicates; the others just add to the local gradients.
+        # Only the last micro-batch communicates; the others just add to the local gradients. (With
+        # --accumulate_sharded the strategy's no_sync is a null context: each micro-batch reduce-
+        # scatters and keeps only its shard, `strategy.Strategy.no_sync`.)
         with nullcontext() if last else strategy.no_sync(model):
             loss = token_loss_sum(model, batch, strategy)
             # Strategies average gradients over ranks, so scale by world_size / global target count.

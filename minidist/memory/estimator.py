@@ -218,6 +218,8 @@ def model_states(shape: Shape, setup: Setup) -> dict:
     else:  # fp32 ZeRO's master is a view of its own weights, but under --cpu_offload a copy on the host
         weight_bytes, grad_bytes = 4, 4
         state_bytes = 8 + 4 * (setup.options.cpu_offload and strategy != "fsdp")
+    if strategy == "zero2" and setup.options.accumulate_sharded:  # the shards' gradients, summed in reduce_dtype
+        grad_bytes = 2 if setup.options.value("reduce_dtype") == "bf16" else 4
     return {
         "parameters": weight_bytes * (shard if strategy == "fsdp" else full),
         "gradients": grad_bytes * (shard if strategy in ("zero2", "fsdp") else full),

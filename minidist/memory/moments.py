@@ -24,7 +24,14 @@ hand-written ZeRO-2 and FSDP make no such copy on either: their inputs are scrat
 `comm.reduce_scatter` all-reduces in place on gloo. ZeRO-1's input is the kept gradient buffer, so
 gloo copies it.
 
-Checked against `LiveTensors` in tests/memory/test_memory.py (within 5%, every strategy). Where the
+**Sharded accumulation** (`--accumulate_sharded`: ZeRO-2, FSDP, HSDP): every micro-batch is
+reduce-scattered, so no full gradient is kept between micro-batches ("accumulated gradients" is
+0); instead the shards' gradients, summed in the reduction's dtype (fp32), are alive from the first
+micro-batch on: in the last one's forward and all through its backward, where each new shard is
+added into them and let go.
+
+Checked against `LiveTensors` in tests/memory/test_memory.py (within 5%, every strategy; the flag's
+cases in tests/parallel/test_accumulate_sharded.py). Where the
 logits outweigh a layer's activations several times over, FSDP's figure strays further: the
 loss's own tensors are one term here ("logits"), not walked operator by operator.
 """
@@ -58,6 +65,9 @@ def moments(shape, setup, states: dict, acts: dict, whole=None) -> dict:
     # Bytes per element of what is computed with (DDP: autocast over fp32 weights).
     compute_bytes = 2 if bf16 and strategy != "ddp" else 4
     accum = setup.gradient_accumulation_steps > 1
+    # --accumulate_sharded: the shards' gradients are kept between micro-batches, not full ones
+    sharded = accum and options.accumulate_sharded
+    accum = accum and not sharded
     kept = {"parameters": states["parameters"], "optimizer_states": states["optimizer_states"]}
     forward_acts = acts["saved"] + acts["weight_copies"] + max(acts["recompute"], acts["logits"])
     at = {}
@@ -84,13 +94,18 @@ def moments(shape, setup, states: dict, acts: dict, whole=None) -> dict:
             at["forward"] = {**kept, "activations": forward_acts}
             at["backward"] = {**kept, "reduce-scatter": max((cast + 4 * gloo) * bucket + 4 * _shard(bucket, ranks)
                                                             for bucket in sizes)}
-        else:  # the shards' gradients come in backward (`_zero2_backward`)
+        else:  # the shards' gradients come in backward (`_zero2_backward`); sharded: they are there already
             at["forward"] = {**kept, "activations": forward_acts,
-                             "accumulated gradients": weight_bytes * num_params if accum else 0}
-            at["backward"] = {**kept, **_zero2_backward(sizes, ranks, weight_bytes, acts["saved"], num_params,
+                             "accumulated gradients": weight_bytes * num_params if accum else 0,
+                             "gradients": states["gradients"] if sharded else 0}
+            # the shards' gradients: in the weights' dtype, or with --accumulate_sharded in the reduction's
+            shard_bytes = (2 if options.value("reduce_dtype") == "bf16" else 4) if options.accumulate_sharded else weight_bytes
+            at["backward"] = {**kept, **_zero2_backward(sizes, ranks, shard_bytes, acts["saved"], num_params,
                                                         weight_bytes if accum else 0, options.cpu_offload,
-                                                        shape.head_linear_params)}
+                                                        shape.head_linear_params,
+                                                        states["gradients"] if sharded else None)}
             kept["gradients"] = states["gradients"]  # all of them, for the step
+            cast = 0 if shard_bytes == 4 else cast  # fp32 shards' gradients: no copy for the step
         # Per group of buckets (zero.STEP_BYTES of masters): the fp32 copies of bf16 gradient
         # shards and AdamW's temporary; then each bucket's all-gather.
         groups = pack_buckets([torch.empty(_shard(bucket, ranks), device="meta") for bucket in sizes], STEP_BYTES)
@@ -99,13 +114,17 @@ def moments(shape, setup, states: dict, acts: dict, whole=None) -> dict:
         # The all-gather: the shard sent, a copy.
         at["refresh"] = {**kept, "all-gather": max(weight_bytes * _shard(bucket, ranks) for bucket in sizes)}
     else:  # the shards' gradients come in backward
-        at.update(_fsdp(shape, whole or shape, setup, kept, acts, compute_bytes, gloo, accum))
+        if sharded:  # every unit's shard gradient, from the earlier micro-batches (on the host with offload)
+            kept["host gradients" if options.cpu_offload else "gradients"] = states["gradients"]
+        at.update(_fsdp(shape, whole or shape, setup, kept, acts, compute_bytes, gloo, accum, sharded))
+        kept.pop("host gradients", None)
         # AdamW's temporary is the size of the fp32 shard it steps, as is the shard's gradient.
         at["step"] = {**kept, "gradients": states["gradients"], "optimizer step temporary": states["gradients"]}
     return at
 
 
-def _zero2_backward(sizes, ranks, grad_bytes, saved, num_params, accumulated, offload=False, head=0) -> dict:
+def _zero2_backward(sizes, ranks, grad_bytes, saved, num_params, accumulated, offload=False, head=0,
+                    kept_shards=None) -> dict:
     """ZeRO-2, bucket by bucket in backward's order, at the two moments that can peak:
     - a bucket opens (its first gradient came): its flat fp32 gradient is allocated beside the
       one on the wire (fp32 input and output shard), while the activations of its layers and of
@@ -116,12 +135,16 @@ def _zero2_backward(sizes, ranks, grad_bytes, saved, num_params, accumulated, of
     - a bucket is sent: the previous one's collective is done, the flat buffer and its output shard.
     The shards' gradients (`grad_bytes` per element) are made by the reduce-scatters and let go by
     `zero_grad`, so only the buckets already reduced hold theirs. With `offload` those are in host
-    memory (`offload_split.py`): the device's worst moment is sought without them."""
+    memory (`offload_split.py`): the device's worst moment is sought without them. `kept_shards`
+    (bytes; --accumulate_sharded): every bucket's shard gradient is there from the start, and each
+    reduce-scatter's output is added into it, in place."""
 
     def on_device(moment: dict) -> int:
         return sum(nbytes for term, nbytes in moment.items() if not (offload and term == "gradients"))
 
-    worst, done, landed = {}, 0, 0
+    worst, done, landed = {}, 0, kept_shards or 0
+    if kept_shards is not None:
+        grad_bytes = 0  # a bucket's reduction adds into its shard's gradient: nothing new lands
     for i, bucket in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
         on_wire = 4 * previous + 4 * _shard(previous, ranks) if i else 0
@@ -153,7 +176,7 @@ class _Timeline:
             self.worst = dict(self.live)
 
 
-def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum) -> dict:
+def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum, sharded=False) -> dict:
     """FSDP, walked unit by unit through the last micro-batch's forward and backward (`_FsdpWalk`).
 
     Units: one per decoder layer and the root (embeddings, final norm, output layer), or the
@@ -176,13 +199,15 @@ def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum) -> dict
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
       in the fp32 reduce dtype (both implementations); this backward adds into it. minidist adds
       the new gradient into that sum at the unit's post-backward and reduce-scatters the sum
-      itself: no fp32 copy is made for the reduction.
+      itself: no fp32 copy is made for the reduction;
+    - sharded accumulation (`sharded`): no full gradient is kept, the shards' gradients are (in
+      `kept`), and each reduce-scatter's output is added into its unit's, then let go.
     Under LoRA (`whole` is the model, `trained` its adapters) a unit is gathered whole, but only
     its adapters get gradients and are reduced; minidist's frozen shard is kept in the compute
     dtype, so only the trainable one is cast to be sent (FSDP2 keeps both in fp32, and casts
     both). A unit with nothing to train stays gathered until backward ends, except minidist's
     root, freed when the last layer's backward begins (`parallel/frozen.py`)."""
-    walk = _FsdpWalk(trained, whole, setup, kept, acts, compute_bytes, gloo, accum)
+    walk = _FsdpWalk(trained, whole, setup, kept, acts, compute_bytes, gloo, accum, sharded)
     forward = walk.forward()
     return {"forward": forward, "backward": walk.backward()}
 
@@ -193,8 +218,9 @@ class _FsdpWalk(_Timeline):
     A unit is a pair of element counts, (gathered, trained): the whole unit, and its trainable
     part (the same without LoRA)."""
 
-    def __init__(self, trained, whole, setup, kept, acts, compute_bytes, gloo, accum):
+    def __init__(self, trained, whole, setup, kept, acts, compute_bytes, gloo, accum, sharded=False):
         self.ranks, self.torch_impl = setup.world_size, setup.options.impl == "torch"
+        self.sharded = sharded  # --accumulate_sharded: each output shard is added into the kept one
         self.acts, self.compute_bytes, self.accum = acts, compute_bytes, accum
         self.kept_acts, self.rest = acts["kept_by_layer"], acts["saved"] - sum(acts["kept_by_layer"])
         if setup.options.layer_wrap_policy and whole.layer_params:
@@ -325,7 +351,8 @@ class _FsdpWalk(_Timeline):
         for size, sent, out in self.pending:  # (gloo's copy, FSDP2's only, went in `reduce`)
             self.add("reduce-scatters", -sent - out)
             self.add(self.full, 0 if sent else -self.kept_grad * size)  # no copy was sent: the full gradient was
-            self.add("host gradients" if self.gradients_to_host else "gradients", out)  # offload: copied out
+            # offload: copied out; sharded accumulation: added into the kept shard, then let go
+            self.add("host gradients" if self.gradients_to_host else "gradients", 0 if self.sharded else out)
         self.pending.clear()
 
     def concatenate(self, trained: int) -> None:

@@ -48,6 +48,18 @@ its own in the reduction's dtype (`reduce_dtype`, fp32 by default; `Unit._take_g
 synchronising micro-batch reduce-scatters that sum. As FSDP2: 4 bytes an element kept between
 micro-batches, not 2.
 
+**Sharded accumulation** (`--accumulate_sharded`: the strategy's `no_sync` is then a null
+context). Every micro-batch synchronises: each unit is reduce-scattered at its post-backward as
+in the last one, and `Unit.accumulate` adds the new shard into `flat_param.grad` (fp32). So no
+full-size gradient outlives its micro-batch: P/N fp32 elements kept between micro-batches instead
+of P. Reduce-scatter is linear, so the k shards sum to the shard of the sum: the same gradient.
+The gathers do not change; the reduce-scatters are k instead of 1: k(3P - P_root)(N-1)/N a step,
+k times a step without accumulation. HSDP all-reduces each micro-batch's shard over the copies
+too (as FSDP2 does unless told `set_requires_all_reduce(False)`), k 2(P/S)(R-1)/R across nodes:
+simpler (each still overlaps the backward of the units after it, as in the last micro-batch); deferring
+them to the last micro-batch would send them once, at the price of a step that tells the wrapper
+which micro-batch is its last.
+
 **Two streams** (`streams.py`). On a GPU the all-gathers run on one side stream and the
 reduce-scatters on another (HSDP's all-reduces on a third), as FSDP2's `all_gather_stream` and
 `reduce_scatter_stream`: in backward unit i-2's gather is not queued behind unit i's

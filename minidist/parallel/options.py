@@ -17,6 +17,12 @@ Hybrid sharding is `--strategy hsdp` with `--hsdp_shard_size N` (the ranks that 
 by default the ranks of a node: `mesh.data_parallel_mesh` builds the groups). `cpu_offload`
 (ZeRO-Offload: `offload.py`) applies to the strategies that shard the optimizer states, by hand
 or PyTorch's FSDP2 (its `CPUOffloadPolicy`); DDP has no shard to put on the host.
+
+`accumulate_sharded` chooses how micro-batches accumulate where gradients are sharded (ZeRO-2,
+FSDP, HSDP, by hand or FSDP2): by default under `no_sync`, each rank keeping full-size gradients
+until the last micro-batch; with it, each micro-batch is reduce-scattered and only the shard's sum
+is kept (`strategy.Strategy.no_sync` says why, and what it costs). ZeRO-1 and DDP keep full
+gradients anyway: there it would mean nothing, and is refused.
 """
 
 import argparse
@@ -62,6 +68,9 @@ class ParallelOptions:
     ddp_variant: str | None = _option(None, "bucketed or naive", DDP_VARIANTS, (("minidist",), ("ddp",)))
     cpu_offload: bool = _option(False, "ZeRO-Offload: fp32 masters, optimizer states and the step in host memory, "
                                 "on the CPU (not with ddp)")
+    accumulate_sharded: bool = _option(False, "with accumulation: reduce-scatter every micro-batch and keep only the "
+                                       "shard's gradient, instead of full gradients under no_sync",
+                                       applies=(IMPLEMENTATIONS, ("zero2", "fsdp", "hsdp")))
 
     DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed"}
 
@@ -85,8 +94,9 @@ class ParallelOptions:
                                       f"ZeRO-1 for DDP only): use --impl minidist --strategy {self.strategy}")
         for f in fields(self):
             impls, strategies = f.metadata["applies"]
-            if f.default is None and getattr(self, f.name) is not None and (
-                    self.impl not in impls or self.strategy not in strategies):
+            given = getattr(self, f.name) is not None if f.default is None else (
+                f.default is False and getattr(self, f.name))  # an on/off flag turned on
+            if given and (self.impl not in impls or self.strategy not in strategies):
                 raise ValueError(f"--{f.name} only applies to --impl {' or '.join(impls)} with --strategy "
                                  f"{' or '.join(strategies)}, not {self.name}")
         if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:

@@ -7,8 +7,8 @@ implementation from `STRATEGY_CLASSES` (a dict: `get_strategy(options, env)`), t
     strategy.checkpoint_activations(model)      # with --gradient_checkpointing
     model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP)
     optimizer = strategy.build_optimizer(model, lr, weight_decay)
-    with strategy.no_sync(model):               # micro-batches that only accumulate
-        loss.backward()
+    with strategy.no_sync(model):               # micro-batches that only accumulate (or, with
+        loss.backward()                         # --accumulate_sharded, reduce-scatter each: no_sync)
     strategy.clip_grad_norm_(model, max_norm); optimizer.step()
 
 and, to save, `strategy.full_state_dict(model)` (the weights) or `strategy.get_state_dict` and
@@ -87,7 +87,27 @@ class Strategy:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **ADAMW_OPTIONS)
 
     def no_sync(self, model):
-        """Inside this context backward only accumulates local gradients: no communication."""
+        """The context of a micro-batch that is not the step's last (`step.train_step`).
+
+        By default, inside it backward only accumulates local gradients, full-size, with no
+        communication: the last micro-batch reduces their sum once. With `--accumulate_sharded`
+        (ZeRO-2, FSDP, HSDP) it is a null context: every micro-batch is reduce-scattered and each
+        rank adds the new shard into the shard's gradient it keeps (fp32, or `reduce_dtype`), so no
+        full-size gradient outlives its micro-batch. Reduce-scatter is linear: k of them sum to the
+        one reduce-scatter of the sum, the same gradient. The trade-off, for P parameters on N ranks
+        and k micro-batches: no_sync keeps P full gradients (4 bytes each, in the reduce dtype, for
+        FSDP) alive through the forward of every micro-batch after the first, and sends one
+        reduce-scatter; sharded accumulation keeps P/N of them and sends k reduce-scatters, (k - 1)
+        P(N-1)/N more elements a step (the gathers are the same). DeepSpeed's ZeRO-2 and ZeRO-3 do
+        this by default, as PyTorch's FSDP does when `no_sync` (FSDP2: `set_requires_gradient_sync
+        (False)`) is not used. HSDP all-reduces the shard over its copies after each micro-batch's
+        reduce-scatter too, as FSDP2 does unless told `set_requires_all_reduce(False)`."""
+        if self.options.accumulate_sharded:
+            return nullcontext()
+        return self._accumulate_locally(model)
+
+    def _accumulate_locally(self, model):
+        """Backward inside this context adds into local, full-size gradients and sends nothing."""
         return model.no_sync()
 
     def autocast(self):
@@ -201,7 +221,7 @@ class MinidistZeRO(ShardedByHand):
 
         stage = int(self.options.strategy[-1])
         return ZeroDP(model.to(self.env.device), stage, self.mp, self.options.value("bucket_cap_mb"),
-                      self.mesh.shard_group, self.options.cpu_offload)
+                      self.mesh.shard_group, self.options.cpu_offload, self.options.accumulate_sharded)
 
     def build_optimizer(self, model, lr, weight_decay=0.0):
         from minidist.parallel.zero import ShardedOptimizer
@@ -294,8 +314,8 @@ class TorchFSDP(Strategy):
         return model  # fully_shard changes the model in place: there is no wrapper
 
     @contextmanager
-    def no_sync(self, model):
-        model.set_requires_gradient_sync(False)
+    def _accumulate_locally(self, model):
+        model.set_requires_gradient_sync(False)  # --accumulate_sharded leaves it True: a reduce-scatter per micro-batch
         try:
             yield
         finally:

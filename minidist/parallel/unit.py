@@ -14,6 +14,8 @@ launched on the wrapper's side stream for its kind (`fsdp.all_gather_stream`,
 Two things differ by unit and by micro-batch: the root stays gathered from its forward to its
 backward when grad is on (`post_forward`), and under `no_sync` a unit keeps its gradient summed in
 the reduction's dtype, `accumulated`, until the micro-batch that synchronises (`_take_grad`).
+With `--accumulate_sharded` every micro-batch synchronises: `accumulated` stays None, and each
+micro-batch's reduced shard is added into `flat_param.grad` (`accumulate`).
 
 A unit may hold frozen parameters too (LoRA's base weights): they go in a second flat,
 `self.frozen` (`frozen.py`), gathered and freed with the trainable one and never reduced. The
@@ -182,7 +184,9 @@ class Unit:
         return self.accumulated.add_(new)
 
     def accumulate(self, out: torch.Tensor) -> None:
-        """Add a reduced gradient shard (its collectives done) into `flat_param.grad`."""
+        """Add a reduced gradient shard (its collectives done) into `flat_param.grad`: once a step,
+        or once a micro-batch with `--accumulate_sharded` (the shards of the micro-batches sum to
+        the shard of their sum)."""
         out = out.to(torch.float32)
         if self.fsdp.cpu_offload:  # copied out at once, while backward goes on
             offload.accumulate_grad(self.flat_param, out)

@@ -49,7 +49,11 @@ and the sum is kept in the gradient's own dtype, bf16; the optimizer gets an fp3
 shard's gradient for the step only, a few buckets at a time. With gradient accumulation,
 `no_sync()` micro-batches add into the local gradients without communication; ZeRO-2 then holds
 full gradients until the last micro-batch, as PyTorch's FSDP does with
-`set_requires_gradient_sync(False)`.
+`set_requires_gradient_sync(False)`. `--accumulate_sharded` chooses the other way (as DeepSpeed's
+ZeRO-2 does): every micro-batch is reduce-scattered, bucket by bucket as above, and its shard added
+into `grad_shard`, kept in the reduction's dtype: 4P/N bytes of gradients instead of full ones
+(2P in bf16, 4P in fp32), for k reduce-scatters a step instead of one, (k + 1)P(N-1)/N elements
+sent with the all-gather (`strategy.Strategy.no_sync`).
 
 `--cpu_offload` keeps the masters, their Adam moments and the step on the host (`offload.py`).
 
@@ -392,11 +396,16 @@ class ZeroDP(DataParallelWrapper):
     """ZeRO stage 1 or 2 around a model: wrap, then `ShardedOptimizer(model.buckets, ...)`, train as usual."""
 
     def __init__(self, module: nn.Module, stage: int, mixed_precision: MixedPrecision = MixedPrecision(),
-                 bucket_cap_mb: float = 25.0, process_group=None, cpu_offload: bool = False):
+                 bucket_cap_mb: float = 25.0, process_group=None, cpu_offload: bool = False,
+                 accumulate_sharded: bool = False):
         super().__init__(module, process_group)
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2 (stage 3 is FSDP, fsdp.py), got {stage}")
         self.stage, self.mp, self.cpu_offload = stage, mixed_precision, cpu_offload
+        # ZeRO-2 with --accumulate_sharded: every micro-batch reduce-scatters, and its shard is added
+        # into `grad_shard`, kept in the reduction's dtype (fp32 by default) so the sum is not rounded
+        # to bf16 at every micro-batch.
+        self.accumulate_sharded = accumulate_sharded
         self.broadcast_from_first_rank([*module.parameters(), *module.buffers()])  # start equal, as in DDP
         # Reverse registration order: roughly the order backward produces gradients.
         self.params = [p for p in module.parameters() if p.requires_grad][::-1]
@@ -474,12 +483,22 @@ class ZeroDP(DataParallelWrapper):
 
     def _keep_shard(self, bucket: FlatBucket) -> None:
         """ZeRO-2: wait for a bucket's reduce-scatter; its output, averaged, is the shard's gradient
-        (cast to the gradient's dtype where the sum was taken in another); the rest is dropped."""
+        (cast to the gradient's dtype where the sum was taken in another); the rest is dropped.
+        With `accumulate_sharded` it stays in the reduction's dtype and, from the second micro-batch
+        of a step on, is added into the shard's gradient the earlier ones left (on the host with
+        --cpu_offload: the earlier copies were waited for when their backward ended)."""
         bucket.handle.wait()
         bucket.grad = bucket.handle = None  # the full flat gradient is summed and its shard copied out: let go
-        shard = bucket.reduced.div_(self.world_size).to(self.mp.param_dtype)
+        shard = bucket.reduced.div_(self.world_size)
+        shard = shard if self.accumulate_sharded else shard.to(self.mp.param_dtype)
         bucket.reduced = None  # only the shard's gradient stays; --cpu_offload: on the host, copied out at once
-        bucket.grad_shard = offload.to_host(shard, non_blocking=True) if self.cpu_offload else shard
+        adding = self.accumulate_sharded and bucket.grad_shard is not None
+        if self.cpu_offload:
+            shard = offload.to_host(shard, non_blocking=not adding)  # added at once: its copy must be done
+        if adding:
+            bucket.grad_shard += shard
+        else:
+            bucket.grad_shard = shard
 
     # ------------------------------------------------------------------ what the strategy reads
     def refresh_weights(self) -> None:

@@ -15,11 +15,13 @@ from minidist.runtime.distributed import get_env
 
 
 def variant_name(strategy, mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False,
-                 impl="minidist", nccl_like=False) -> str:
-    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`, `torch/fsdp/offload`, `zero1/nccl-like`."""
+                 impl="minidist", nccl_like=False, accumulate_sharded=False, hsdp_shard_size=None) -> str:
+    """A readable key: `fsdp/no-wrap/ckpt`, `zero2/bf16`, `fsdp/meta`, `torch/fsdp/offload`, `zero1/nccl-like`,
+    `hsdp/sharded-accum`."""
     parts = [*(["torch"] if impl == "torch" else []), strategy, *(["bf16"] if mixed_precision == "bf16" else []),
              *([] if wrap else ["no-wrap"]), *(["ckpt"] if checkpointing else []), *(["meta"] if meta else []),
-             *(["offload"] if cpu_offload else []), *(["nccl-like"] if nccl_like else [])]
+             *(["offload"] if cpu_offload else []), *(["nccl-like"] if nccl_like else []),
+             *(["sharded-accum"] if accumulate_sharded else [])]
     return "/".join(parts)
 
 
@@ -73,7 +75,7 @@ def train_one(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_
 
 def train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, bucket_cap_mb, *, strategy, steps,
                   mixed_precision="fp32", wrap=True, checkpointing=False, meta=False, cpu_offload=False,
-                  impl="minidist"):
+                  impl="minidist", accumulate_sharded=False, hsdp_shard_size=None):
     """Train one variant from weights that differ by rank; return what the tests check.
 
     Rank 0 keeps the weights in `model_dir`; the other ranks add noise to theirs before wrapping
@@ -89,10 +91,11 @@ def train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, buc
     env = get_env()
     started = time.perf_counter()
     torch.manual_seed(env.rank)
-    options = {"bucket_cap_mb": bucket_cap_mb} if strategy != "fsdp" else {}  # several buckets, not one
+    options = {"bucket_cap_mb": bucket_cap_mb} if strategy not in ("fsdp", "hsdp") else {}  # several buckets, not one
+    options.update({"hsdp_shard_size": hsdp_shard_size} if hsdp_shard_size else {})
     apart = impl == "minidist"  # PyTorch's FSDP2 shards each rank's own weights, with no broadcast: not apart
     impl = get_strategy(ParallelOptions(strategy, impl, layer_wrap_policy=wrap, mixed_precision=mixed_precision,
-                                        cpu_offload=cpu_offload, **options), env)
+                                        cpu_offload=cpu_offload, accumulate_sharded=accumulate_sharded, **options), env)
     if meta:  # FSDP: rank 0 reads the weights, the others only build shapes
         model = impl.load_model(model_dir)
         assert all(p.is_meta for p in model.parameters()) == (env.rank > 0)
@@ -122,7 +125,7 @@ def train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, buc
         "parameters": impl.full_state_dict(model),  # every rank takes part; rank 0 gets it
         "seconds": time.perf_counter() - started,  # for choosing what a launch can afford
     }
-    if strategy == "fsdp" and impl.options.impl == "minidist":
+    if strategy in ("fsdp", "hsdp") and impl.options.impl == "minidist":
         result.update(max_unsharded=model.max_unsharded, unsharded_after=model.unsharded,
                       num_layer_units=len(model.layer_units), root_numel=model.root.layout.padded_numel)
     return result
