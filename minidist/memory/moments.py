@@ -188,14 +188,16 @@ def _fsdp(trained, whole, setup, kept, acts, compute_bytes, gloo, accum, sharded
       waits for the root's) and stays gathered while the layers run, and on into backward (both
       implementations: FSDP2's reshard_after_forward=False for the root); each layer is gathered
       with the next one prefetched, and freed after its forward; activations grow layer by layer;
-    - backward: the output layer's gradient comes first, the embedding's last. Per layer: the unit is gathered with the one before prefetched, a
-      checkpointed layer's activations come back, the weights' gradients arrive while the
-      activations go; minidist's autograd concatenates them into one flat gradient (split's
-      backward; both for a moment); the gradient is cast or copied to an fp32 reduce-scatter
-      input (minidist in fp32 sends the flat gradient itself), with its output shard; the unit
-      is freed. The previous unit's reduce-scatter is waited for (by FSDP2 before it starts this
-      one, by minidist after): its input goes, its output is the shard's gradient. Under FSDP2,
-      gloo copies a reduce-scatter's input while the collective runs;
+    - backward: the output layer's gradient comes first, the embedding's last. Per layer: the
+      unit is gathered with the one before prefetched, a checkpointed layer's activations come
+      back, the weights' gradients arrive while the activations go; the unit is freed, and the
+      previous unit's reduce-scatter is waited for (its input goes, its output is the shard's
+      gradient): FSDP2 does both in its post-backward, minidist just before its autograd
+      concatenates the weights' gradients into one flat gradient (split's backward; both alive
+      for a moment; a unit with frozen LoRA weights is freed after it). Then the gradient is cast
+      or copied to an fp32 reduce-scatter input (minidist in fp32 sends the flat gradient
+      itself), with its output shard. Under FSDP2, gloo copies a reduce-scatter's input while the
+      collective runs;
     - accumulation: the `no_sync` micro-batches before this one left every unit's full gradient,
       in the fp32 reduce dtype (both implementations); this backward adds into it. minidist adds
       the new gradient into that sum at the unit's post-backward and reduce-scatters the sum
@@ -332,13 +334,11 @@ class _FsdpWalk(_Timeline):
             if not trained:
                 frozen_units.append(unit)
                 continue
-            self.concatenate(trained)
-            self.add("gathered units", -self.held(unit))
+            self.concatenate(unit)
             self.reduce(trained)
         self.add("gradients", self.fresh * (root[1] - head))
         if root[1]:
-            self.concatenate(root[1])
-            self.add("gathered units", -self.held(root))
+            self.concatenate(root)
             self.reduce(root[1])
         self.finish_pending()  # at the end of backward
         for unit in frozen_units + ([] if root[1] or early else [root]):
@@ -355,12 +355,22 @@ class _FsdpWalk(_Timeline):
             self.add("host gradients" if self.gradients_to_host else "gradients", 0 if self.sharded else out)
         self.pending.clear()
 
-    def concatenate(self, trained: int) -> None:
-        """minidist: autograd joins the weights' gradients into the unit's flat one (split's
-        backward), both alive for a moment, before the unit is freed."""
+    def concatenate(self, unit) -> None:
+        """The unit's weights all have their gradients: the unit is freed (FSDP2 in its
+        post-backward; minidist just before autograd joins the weights' gradients into the unit's
+        flat one (split's backward), both alive for a moment, and with the previous unit's
+        reduce-scatter finished first (`Unit._before_concatenation`); a minidist unit with frozen
+        weights (LoRA) is freed after the joining)."""
+        gathered, trained = unit
+        frozen = gathered != trained
+        if self.torch_impl or not frozen:
+            self.add("gathered units", -self.held(unit))
         if not self.torch_impl:
+            self.finish_pending()
             self.add("gradients", self.compute_bytes * trained)
             self.add("gradients", -self.compute_bytes * trained)
+            if frozen:
+                self.add("gathered units", -self.held(unit))
 
     def reduce(self, trained: int) -> None:
         """A unit whose weights all have this backward's gradients (`trained` elements in the compute

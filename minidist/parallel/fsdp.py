@@ -250,9 +250,11 @@ class Reductions:
     post-backward hook hands it the reduce-scatter it launched (`add`), and the end of backward
     empties it (`finish`).
 
-    A unit's reduce-scatter is waited for one unit later, when the next unit hands in its own: the
-    collective runs while autograd computes the next unit's gradient, and at most two full gradients
-    are alive (one on the wire, one that autograd fills), not the whole model's. Once it is done,
+    A unit's reduce-scatter is waited for one unit later: the collective runs while autograd
+    computes the next unit's gradient, and is finished (`make_room`) just before autograd
+    concatenates the next unit's weight gradients into its full gradient (`Unit.use_views`), so
+    that at most one full gradient is alive beside the pieces being concatenated, not the whole
+    model's (at the latest, the next unit's `add` finishes it). Once it is done,
     the shard is added into the unit's `flat_param.grad` (`Unit.accumulate`). HSDP: the shard must
     first be summed over the copies too; that all-reduce is started where the reduce-scatter
     finishes (`_start_replicate`) and waited for one unit later again (`_finish_replicate`)."""
@@ -268,6 +270,12 @@ class Reductions:
         self._finish_replicate()  # HSDP: the all-reduce of two units back
         self._finish_scatter()  # the previous unit's: done, let go
         self.scattering = (unit, handle, out, grad)  # `grad` lives until its collective is done
+
+    def make_room(self) -> None:
+        """A unit's weight gradients are all computed and about to be concatenated into its full
+        gradient: finish the reductions in flight first, and let their full gradients go."""
+        self._finish_replicate()
+        self._finish_scatter()
 
     def finish(self) -> None:
         """Backward is over: wait for everything still in flight (HSDP: the last unit's all-reduce

@@ -6,7 +6,8 @@ module is what each unit does at those four moments. A `Unit` never imports its 
 handed the `FullyShardedDataParallel` it belongs to (`self.fsdp`), and reads from it the group,
 the precision policy and the prefetch order. What spans several units is the wrapper's, never
 written by a unit: the reduce-scatter a unit launches after its backward is handed to the
-wrapper's queue (`fsdp.Reductions`), which waits for it one unit later, runs HSDP's all-reduce
+wrapper's queue (`fsdp.Reductions`), which waits for it one unit later (just before the next
+unit's weight gradients are joined into its full gradient), runs HSDP's all-reduce
 over the copies, and gives the finished shard back to the unit (`accumulate`). Each collective is
 launched on the wrapper's side stream for its kind (`fsdp.all_gather_stream`,
 `fsdp.reduce_scatter_stream`: `streams.py`), with every tensor it touches made before the launch.
@@ -102,6 +103,17 @@ class Unit:
         views = self.layout.views(self.full)
         for owner, attr, _, k in self.slots:
             setattr(owner, attr, views[k])
+        if views and views[0].grad_fn is not None:
+            # In backward, autograd concatenates the weights' gradients into one full-size gradient
+            # of the unit (the backward of `layout.views`' split), while those gradients are still
+            # alive, and only then calls `_post_backward`. By then nothing needs the gathered
+            # weights (every operation that read them has made its gradients), and the previous
+            # unit's reduce-scatter has run during this unit's whole backward. So both are let go
+            # first, as FSDP2 frees a unit's weights and its last reduce-scatter input before it
+            # makes the next one: the weights, the pieces, the new full gradient and the previous
+            # one are never alive at once.
+            split = views[0].grad_fn.next_functions[0][0]
+            split.register_prehook(weak_hook(self._before_concatenation))
         if self.frozen is not None:
             frozen_views = self.frozen.views()
             for owner, attr, _, k in self.frozen_slots:
@@ -155,6 +167,12 @@ class Unit:
             self.fsdp.prefetch(self, -1)
         return grad
 
+    def _before_concatenation(self, grads) -> None:
+        """Every weight of this unit has its gradient; autograd is about to join them into one."""
+        if self.frozen is None:  # LoRA's frozen weights may still be read by the input's gradient
+            self.free()
+        self.fsdp.reductions.make_room()
+
     def _post_backward(self, full: torch.Tensor) -> None:
         self.free()  # the gathered weights first: the reduction does not need them
         grad = self._take_grad(full)
@@ -168,7 +186,7 @@ class Unit:
         handle = self.fsdp.reduce_scatter_stream.launch(
             lambda async_op: comm.reduce_scatter(out, grad, group=group, async_op=async_op, input_is_scratch=True),
             out, grad)
-        self.fsdp.reductions.add(self, handle, out, grad)  # the wrapper's queue: waited for one unit later
+        self.fsdp.reductions.add(self, handle, out, grad)  # the wrapper's queue: finished before the next unit's joining
 
     def _take_grad(self, full: torch.Tensor) -> torch.Tensor:
         """This backward's gradient of the unit, in the dtype it is summed in (`reduce_dtype`: fp32 by
