@@ -8,6 +8,7 @@
 #   SBATCH_CONSTRAINT=gpu80 sbatch slurm/chess_finetune.sh            # only 80 GB GPUs (the name is your site's)
 #   sbatch slurm/chess_finetune.sh --no_fsdp                          # plain DDP: does 7B fit?
 #   BATCH_SIZE_PER_DEVICE=8 sbatch slurm/chess_finetune.sh            # same total batch, less accumulation
+#   ACCUMULATE_SHARDED=0 sbatch slurm/chess_finetune.sh               # accumulate full gradients under no_sync
 #   sbatch slurm/chess_finetune.sh --gradient_checkpointing           # trade compute for memory
 #   sbatch --nodes 2 slurm/chess_finetune.sh                          # 8 GPUs on 2 nodes: HSDP
 #   sbatch --nodes 2 slurm/chess_finetune.sh --strategy fsdp          # 8 GPUs, flat FSDP over all 8
@@ -21,6 +22,17 @@
 # reductions on 2 nodes: HSDP 6.7 GB per step, flat FSDP 11.7 GB (1.73x; 4.3x with 4 accumulated
 # micro-batches, whose all-gathers HSDP keeps on NVLink; formulas in minidist/parallel/across_nodes.py,
 # not measured). Memory per GPU is FSDP's on 4 GPUs (27 GB of model states).
+#
+# Accumulation (lesson 03): the default, 4 per GPU on 4 GPUs for a total batch of 32, runs 2
+# micro-batches a step. On one node with a strategy that shards gradients (FSDP, HSDP, ZeRO-2) the
+# script then passes --accumulate_sharded: every micro-batch is reduce-scattered and only the fp32
+# shard of the gradient is kept, instead of the full fp32 gradient (27.0 GB) kept under no_sync.
+# For CodeLlama-7b, 42.0 GB per GPU instead of 61.6 GB, for 20.2 GB more sent per GPU per step (one
+# more reduce-scatter of 4P(N-1)/N bytes, over NVLink; estimates: python -m minidist.memory, below).
+# On more than one node it stays off (one line says so): each extra micro-batch would also send
+# HSDP's all-reduce of the shards, or flat FSDP's reduce-scatter, over the network. ACCUMULATE_SHARDED
+# chooses: auto (the default, as above), 0 (no_sync everywhere) or 1 (sharded on any node count). It is
+# never passed with --no_fsdp, --strategy ddp or zero1, which keep full gradients anyway.
 #
 # Preemption and time limits: 300 s before the limit SLURM sends USR1 to this script; it passes the
 # signal on to the training, which finishes its step, writes a checkpoint to OUTPUT_DIR and exits;
@@ -46,8 +58,10 @@
 #   submitted as `SITE_SETUP=~/minidist-site.sh sbatch slurm/chess_finetune.sh` (slurm/site_setup.sh).
 # - GPU type: #SBATCH lines cannot read variables, so a GPU constraint is given at submission,
 #   with SLURM's own variable SBATCH_CONSTRAINT or `sbatch --constraint=...`. Without one the job
-#   may land on A100-40GB nodes, where this run does not fit (`python -m minidist.memory` puts it
-#   at 61.6 GB a GPU for either implementation, with the 2 accumulation steps); many sites name the 80 GB ones with a feature such as `gpu80`, but
+#   may land on A100-40GB nodes, where this run does not fit (`python -m minidist.memory
+#   codellama/CodeLlama-7b-hf --world_size 4 --batch_size_per_device 4 --gradient_accumulation_steps 2
+#   --max_seq_length 512 --mixed_precision bf16 --accumulate_sharded` puts it at 42.0 GB a GPU for
+#   either implementation, 61.6 GB without --accumulate_sharded); many sites name the 80 GB ones with a feature such as `gpu80`, but
 #   the name is site-specific (`sinfo -o "%N %f"` lists the features of each node). A feature no
 #   node has is refused by sbatch ("Invalid feature specification").
 # - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
@@ -62,7 +76,7 @@
 # Compute nodes then load it offline (HF_HUB_OFFLINE=1) from $HF_HOME.
 #
 # Environment variables (all optional): IMPL (minidist or torch), MODEL, DATA, OUTPUT_DIR,
-# TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS,
+# TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, ACCUMULATE_SHARDED, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS,
 # PET_SHUTDOWN_TIMEOUT, SITE_SETUP, SCRATCH, HF_HOME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA; and, read
 # by sbatch itself, SBATCH_CONSTRAINT. Arguments after the script name go to minidist.finetune
 # unchanged and override the defaults below (`--impl torch` as well as IMPL=torch).
@@ -135,6 +149,10 @@ if [[ $IMPL != minidist && $IMPL != torch ]]; then
     echo "error: IMPL=$IMPL must be minidist (FSDP by hand) or torch (PyTorch's FSDP2)" >&2
     exit 2
 fi
+if [[ ! ${ACCUMULATE_SHARDED:=auto} =~ ^(auto|0|1)$ ]]; then
+    echo "error: ACCUMULATE_SHARDED=$ACCUMULATE_SHARDED must be auto, 1 (sharded accumulation) or 0 (no_sync)" >&2
+    exit 2
+fi
 read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT; or one line if this is no job
 model_cache      # HF_HOME, off the home directory; or one line
 
@@ -163,6 +181,34 @@ if (( NNODES > 1 && ! CHOSEN )); then
     STRATEGY=(--strategy hsdp)
     echo "$NNODES nodes: hybrid sharding (--strategy hsdp): $GPUS_PER_NODE GPUs shard each copy, the nodes replicate"
 fi
+
+# More than one micro-batch and a strategy that shards gradients (fsdp, the default; hsdp, zero2):
+# sharded accumulation on one node, where it wins (see the header): --accumulate_sharded.
+sharded_accumulation() {  # "$@": the run's arguments; adds the flag to STRATEGY, or says why not
+    local strategy=fsdp accumulation=$GRADIENT_ACCUMULATION_STEPS previous= arg
+    for arg in "${STRATEGY[@]}" "$@"; do  # the last value given wins, as in argparse
+        case $previous in
+            --strategy) strategy=$arg ;;
+            --gradient_accumulation_steps) accumulation=$arg ;;
+        esac
+        case $arg in
+            --strategy=*) strategy=${arg#*=} ;;
+            --gradient_accumulation_steps=*) accumulation=${arg#*=} ;;
+            --no_fsdp) strategy=ddp ;;
+            --accumulate_sharded) return 0 ;;  # asked for on the command line already
+        esac
+        previous=$arg
+    done
+    # DDP and ZeRO-1 keep full gradients anyway (finetune refuses the flag there); one micro-batch has nothing to keep.
+    [[ $accumulation != 1 && $strategy =~ ^(zero2|fsdp|hsdp)$ && $ACCUMULATE_SHARDED != 0 ]] || return 0
+    if [[ $ACCUMULATE_SHARDED == auto ]] && (( NNODES > 1 )); then
+        echo "$accumulation micro-batches on $NNODES nodes: no_sync (ACCUMULATE_SHARDED=1: reduce-scatter every micro-batch)"
+        return 0
+    fi
+    STRATEGY+=(--accumulate_sharded)
+    echo "$accumulation micro-batches: sharded accumulation (--accumulate_sharded; ACCUMULATE_SHARDED=0: no_sync)"
+}
+sharded_accumulation "$@"
 
 # A checkpoint from an earlier start of this job (or an earlier job with this OUTPUT_DIR): go on from it.
 # A start killed just after publishing its first checkpoint leaves no `latest` yet: --resume finds
