@@ -10,6 +10,9 @@
 #   model_cache               exports HF_HOME, off the home directory; or one line and exit status 2
 #   describe_nodes            one line per node: its GPUs and driver, torch, CUDA and NCCL, and the
 #                             network variables its ranks will see; once per job start
+#   rendezvous_store          starts torchrun's rendezvous store on this node (the head node) in the
+#                             background, stopped when the script exits or by stop_rendezvous_store;
+#                             every torchrun then joins it with --rdzv_conf is_host=0
 
 whole_number() {  # MIN NAME...: each variable must hold a whole number >= MIN
     local min=$1 name
@@ -122,4 +125,38 @@ echo "node ${SLURMD_NODENAME:-$(hostname)}: ${gpus:-nvidia-smi lists no GPU} | $
 EOF
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c "$node_line" ||
     echo "warning: could not describe the nodes (srun failed); going on"
+}
+
+rendezvous_store() {
+# torchrun's c10d rendezvous is a key-value store. Left to itself, the agent on the head node hosts
+# it and takes it along when it leaves: an agent of another node still at the exit barrier then
+# logs "Error waiting on exit barrier" and a traceback at the end of a job that finished
+# (pytorch/pytorch#69520; minidist/runtime/rendezvous_store.py tells the story). So the store
+# runs in a process of its own, here: the batch script runs on the first node of the job (man
+# sbatch), HEAD_NODE, at the port torchrun's --rdzv_endpoint names, and lives until every agent
+# has left. A rendezvous, once closed, stays closed in its store: a launch with the same --rdzv_id
+# needs a fresh store (lesson 10 runs chess_finetune.sh three times: three stores, one after another).
+local ready deadline=$((SECONDS + 300))
+ready=$(mktemp)
+python -m minidist.runtime.rendezvous_store "$MASTER_PORT" --ready "$ready" &
+RENDEZVOUS_STORE_PID=$!
+trap stop_rendezvous_store EXIT
+until [[ -s $ready ]]; do  # importing torch takes seconds: the agents start once the port is bound
+    if ! kill -0 "$RENDEZVOUS_STORE_PID" 2>/dev/null || (( SECONDS > deadline )); then
+        # It said why in one line (a port already taken), or it never came up.
+        echo "error: the rendezvous store did not start on port $MASTER_PORT (set MASTER_PORT to a free port)" >&2
+        rm -f "$ready"
+        exit 2
+    fi
+    sleep 0.2
+done
+cat "$ready"
+rm -f "$ready"
+}
+
+stop_rendezvous_store() {  # once every torchrun has left; again (the EXIT trap) does nothing
+[[ -n ${RENDEZVOUS_STORE_PID:-} ]] || return 0
+kill "$RENDEZVOUS_STORE_PID" 2>/dev/null || true
+wait "$RENDEZVOUS_STORE_PID" 2>/dev/null || true
+RENDEZVOUS_STORE_PID=
 }

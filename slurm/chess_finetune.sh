@@ -256,6 +256,9 @@ if (( STOP_REQUESTED )); then
     exit 0
 fi
 
+# The rendezvous store in a process of its own, so that it outlives every node's torchrun (is_host=0:
+# none hosts it), else a finished 2-node job can end in an exit-barrier traceback (allocation.sh).
+rendezvous_store
 # In the background, so that this shell can run its trap while the training runs.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     torchrun \
@@ -264,6 +267,7 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     --rdzv_id "${SLURM_JOB_ID:-0}" \
     --rdzv_backend c10d \
     --rdzv_endpoint "$HEAD_NODE:$MASTER_PORT" \
+    --rdzv_conf is_host=0 \
     -m minidist.finetune \
     --impl "$IMPL" \
     --model "$MODEL" \
@@ -287,6 +291,7 @@ while :; do  # a trapped signal ends `wait` early, with the training still runni
     wait "$TRAIN_PID" || STATUS=$?
     kill -0 "$TRAIN_PID" 2>/dev/null || break
 done
+stop_rendezvous_store  # every torchrun has left; before a requeue, which ends this script at once
 if (( STOP_REQUESTED && STATUS != 0 )); then
     requeue
 fi
