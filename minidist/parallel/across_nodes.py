@@ -84,7 +84,8 @@ def take_split(group, device) -> dict:
 
 
 def bytes_leaving_a_node(strategy: str, params: int, root_params: int, nodes: int, per_node: int,
-                         micro_batches: int = 1, compute_bytes: int = 2, reduce_bytes: int = 4) -> Fraction:
+                         micro_batches: int = 1, compute_bytes: int = 2, reduce_bytes: int = 4,
+                         accumulate_sharded: bool = False) -> Fraction:
     """Bytes that leave one node per optimizer step for the hand-written "fsdp" (flat, over all
     N = nodes x per_node GPUs) or "hsdp" (sharded within a node, replicated across), by formula.
 
@@ -95,15 +96,24 @@ def bytes_leaving_a_node(strategy: str, params: int, root_params: int, nodes: in
     (compute_bytes (2k P - k P_root) + reduce_bytes P)(N-1)/N, (4k + 4)P - 2k P_root times (N-1)/N
     in bf16. HSDP: the S ranks of the node each all-reduce their fp32 gradient shard with their
     R - 1 twins once per step, 2 (P/S)(R-1)/R each: reduce_bytes x 2P(R-1)/R for the node, however
-    many micro-batches. (Ring algorithm; NCCL may pick a tree for the all-reduce.)"""
+    many micro-batches. (Ring algorithm; NCCL may pick a tree for the all-reduce.)
+
+    With `accumulate_sharded` (`--accumulate_sharded`: `strategy.no_sync` is a null context) every
+    micro-batch synchronises, as the last one does under no_sync (`fsdp.py`): flat FSDP
+    reduce-scatters k times over all N ranks, (compute_bytes (2k P - k P_root) + reduce_bytes k P)
+    (N-1)/N, 8kP - 2k P_root times (N-1)/N in bf16, k times a step of one micro-batch; HSDP
+    all-reduces each micro-batch's shard over the copies, k x reduce_bytes x 2P(R-1)/R. The flag
+    keeps P/N or P/S gradient elements between micro-batches instead of P, and pays for it in
+    reductions: under HSDP they are exactly the bytes that cross nodes."""
     n, k = nodes * per_node, micro_batches
+    reductions = k if accumulate_sharded else 1
     if nodes == 1:
         return Fraction(0)
     if strategy == "fsdp":
         gathered = 2 * k * params - k * root_params
-        return Fraction(compute_bytes * gathered + reduce_bytes * params) * Fraction(n - 1, n)
+        return Fraction(compute_bytes * gathered + reduce_bytes * reductions * params) * Fraction(n - 1, n)
     if strategy == "hsdp":
-        return Fraction(reduce_bytes * 2 * params) * Fraction(nodes - 1, nodes)
+        return reductions * Fraction(reduce_bytes * 2 * params) * Fraction(nodes - 1, nodes)
     raise ValueError(f"bytes_leaving_a_node: strategy is fsdp or hsdp, not {strategy!r}")
 
 

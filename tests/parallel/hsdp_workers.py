@@ -6,10 +6,11 @@ from nccl_like import under
 from minidist.runtime.distributed import get_env
 
 
-def one_step_bytes(model_dir, strategies, seq_len=32):
-    """One optimizer step of each hand-written strategy (`fsdp`, `hsdp`), fp32, one micro-batch of
-    2 sequences per rank; return per strategy the bytes this rank sent (`across_nodes.take_split`),
-    the padded size of every FSDP unit and the mesh this rank saw."""
+def one_step_bytes(model_dir, strategies, seq_len=32, micro_batches=1, **options):
+    """One optimizer step of each hand-written strategy (`fsdp`, `hsdp`), fp32 unless `options` (of
+    `ParallelOptions`) say otherwise, `micro_batches` micro-batches of 2 sequences per rank; return
+    per strategy the bytes this rank sent (`across_nodes.take_split`), the padded size of every FSDP
+    unit and the mesh this rank saw."""
     from minidist import batches
     from minidist.chess import jsonl
     from minidist.chess.games import bundled_games
@@ -23,13 +24,15 @@ def one_step_bytes(model_dir, strategies, seq_len=32):
     sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, seq_len)
     out = {}
     for name in strategies:
-        strategy = get_strategy(ParallelOptions(name, "minidist"), env)
+        strategy = get_strategy(ParallelOptions(name, "minidist", **options), env)
         model = strategy.wrap(models.load_model(model_dir))
         optimizer = strategy.build_optimizer(model, 1e-3)
         strategy.take_comm_bytes()  # what wrapping sent is not a step's
-        batch = batches.collate(sequences[2 * env.rank:2 * env.rank + 2], tokenizer.pad_token_id)
-        num_targets = 2 * env.world_size * seq_len  # any scale will do: bytes do not depend on it
-        train_step(model, strategy, [batch], num_targets, env.world_size)
+        first = 2 * micro_batches * env.rank
+        micro = [batches.collate(sequences[first + 2 * i:first + 2 * i + 2], tokenizer.pad_token_id)
+                 for i in range(micro_batches)]
+        num_targets = 2 * micro_batches * env.world_size * seq_len  # any scale will do: bytes do not depend on it
+        train_step(model, strategy, micro, num_targets, env.world_size)
         strategy.clip_grad_norm_(model, 1.0)
         optimizer.step()
         mesh = strategy.mesh
@@ -40,6 +43,11 @@ def one_step_bytes(model_dir, strategies, seq_len=32):
                      "local": (env.local_rank, env.local_world_size),
                      "grads": [u.flat_param.grad.clone() for u in model.units]}
     return out
+
+
+def step_bytes_for_each(model_dir, strategies, option_sets, **kwargs):
+    """`one_step_bytes` once per set of options, in the same ranks: one start-up for all of them."""
+    return [one_step_bytes(model_dir, strategies, **kwargs, **options) for options in option_sets]
 
 
 def run_finetunes_nccl_like(argvs, nccl_like=()):
