@@ -20,7 +20,8 @@ once so that every NIC carries one flow (NVIDIA/nccl#412). With one NIC per GPU,
 bytes that leave a node are the same as under the rank-order ring, one rank's whole send, but they
 are shared by its S NICs: `bytes_per_nic` says how many, by formula, for flat FSDP and HSDP. HSDP
 (`fsdp.py`, `mesh.py`) keeps the gathers and the reduce-scatter within a node, and every rank sends
-across nodes only the all-reduce of its gradient shard over the R copies: 2(P/S)(R-1)/R elements.
+across nodes only the all-reduce of its gradient shard over the R copies: 2(P/S)(R-1)/R elements,
+once a step (once a micro-batch with `--accumulate_sharded`).
 
 `comm.counter` tells this module's subscriber of every collective it counts and of every reset,
 so the part across nodes always covers the same collectives as the total. Importing this module
