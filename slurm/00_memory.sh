@@ -25,7 +25,9 @@
 # - STRATEGY=fsdp, 1 GPU: peak about 134.8 GB, out of memory too; --gradient_checkpointing does
 #   not change the 107.8 GB of model states either. Only sharding them over GPUs does: FSDP on 4
 #   GPUs holds 27.0 GB of model states, peak about 35.2 GB in one micro-batch; with
-#   slurm/chess_finetune.sh's 2 accumulation steps (--gradient_accumulation_steps 2) about 61.6 GB.
+#   slurm/chess_finetune.sh's 2 accumulation steps (--gradient_accumulation_steps 2) about 42.0 GB
+#   with the --accumulate_sharded it passes there (61.6 GB under no_sync, ACCUMULATE_SHARDED=0:
+#   the estimate this script prints counts no_sync's full gradients; lesson 03).
 # Exit status: non-zero (the failure is the lesson). Read the estimate, then the traceback.
 #
 # The launch itself (srun, torchrun, rendezvous, batch sizes, requeue on preemption) is

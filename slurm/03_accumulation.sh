@@ -14,20 +14,24 @@
 # Expected outcome (estimates: this project has not run this script on GPUs yet). Peaks from
 # `python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist --strategy fsdp
 # --world_size 4 --mixed_precision bf16 --max_seq_length 512 --gpu_memory 80GB
-# --batch_size_per_device B --gradient_accumulation_steps A`; bytes from fsdp.py's docstring,
-# ((2k + 1)P - k P_root)(N-1)/N elements for k micro-batches (the layers gathered twice per
-# micro-batch, the root, P_root = 262M, once), weights gathered in bf16 (2 bytes) and gradients
-# reduce-scattered in fp32 (4):
-#   B  accumulation  estimated peak per GPU  sent per GPU per step
-#   1  8             52.8 GB                  178.8 GB
-#   2  4             55.6 GB                   99.5 GB
-#   4  2             61.6 GB                   59.9 GB
-#   8  1             47.1 GB                   40.0 GB
+# --batch_size_per_device B --gradient_accumulation_steps A [--accumulate_sharded]`; bytes from
+# fsdp.py's docstring, ((2k + 1)P - k P_root)(N-1)/N elements for k micro-batches under no_sync
+# (the layers gathered twice per micro-batch, the root, P_root = 262M, once), k(3P - P_root)(N-1)/N
+# sharded (a reduce-scatter per micro-batch), weights gathered in bf16 (2 bytes) and gradients
+# reduce-scattered in fp32 (4). chess_finetune.sh passes --accumulate_sharded when it accumulates
+# on one node (lesson 03): the sharded columns are what the sweep runs;
+# `ACCUMULATE_SHARDED=0 BATCH_SIZE_PER_DEVICE=$b sbatch slurm/03_accumulation.sh` runs no_sync's.
+#   B  accumulation  peak per GPU: sharded  no_sync   sent per GPU per step: sharded  no_sync
+#   1  8                           33.7 GB  52.5 GB                          320.3 GB  178.8 GB
+#   2  4                           36.0 GB  55.4 GB                          160.2 GB   99.5 GB
+#   4  2                           42.0 GB  61.6 GB                           80.1 GB   59.9 GB
+#   8  1                           47.1 GB  47.1 GB                           40.0 GB   40.0 GB
 # Every size fits in 80 GB (the estimate's largest batch per GPU is 18 in one micro-batch; B=16
 # would not divide 32 over 4 GPUs anyway, and the script refuses it). Every peak falls in
 # backward. Inside no_sync() FSDP keeps each unit's full gradient until the last micro-batch,
 # summed in fp32 as FSDP2 does (4 bytes x 6.74e9 = 27.0 GB, "accumulated gradients" in the
-# estimate): that is why B=4 peaks above B=8, which does not accumulate. The loss curves of the four jobs should coincide up to bf16
+# estimate): that is why B=4 peaks above B=8 under no_sync, which does not accumulate. Sharded, only
+# the fp32 shard is kept (6.7 GB), for one more reduce-scatter per extra micro-batch. The loss curves of the four jobs should coincide up to bf16
 # rounding (the same global batches, normalised by their token count). Time per step should fall
 # and tokens/s rise with B: fewer, larger micro-batches, and with FSDP fewer all-gathers.
 #

@@ -23,8 +23,10 @@
 # (`sbatch slurm/chess_finetune.sh`) up to bf16 rounding.
 #
 # Why 8 per device and no gradient accumulation: inside `no_sync()` micro-batches ZeRO-2 keeps
-# the full local gradients (it can only reduce-scatter a finished sum), so accumulation would
-# bring back the 13.5 GB that ZeRO-2 saves. TOTAL_BATCH_SIZE 32 = 8 x 4 GPUs x 1.
+# the full local gradients until the last one reduce-scatters their sum, so accumulation under
+# no_sync would bring back the 13.5 GB that ZeRO-2 saves. TOTAL_BATCH_SIZE 32 = 8 x 4 GPUs x 1.
+# (With a smaller BATCH_SIZE_PER_DEVICE, chess_finetune.sh passes --accumulate_sharded: every
+# micro-batch is reduce-scattered and only the fp32 shard kept, lesson 04's exercise 3.)
 #
 # This script only picks the lesson's defaults; the launch (srun, torchrun, the rendezvous,
 # requeue on preemption) is slurm/chess_finetune.sh's, run in this same batch shell (exec), so

@@ -13,13 +13,16 @@
 #   16P/N = 27.0 GB per GPU, gathered units (bf16 weights of the root and two layers) 1.33 GB,
 #   peak about 35.3 GB, in backward: it fits in 80 GB, and the loss falls over the 200 steps as
 #   in slurm/chess_finetune.sh. This script runs chess_finetune.sh's 4 per GPU x 2 accumulation
-#   steps, whose full gradients, summed in fp32 between micro-batches (as FSDP2), the estimate adds
-#   with --gradient_accumulation_steps 2: about 61.6 GB;
+#   steps, with the --accumulate_sharded that chess_finetune.sh passes there: each unit is
+#   reduce-scattered in every micro-batch and only its fp32 shard kept, about 42.0 GB (add
+#   --accumulate_sharded to the estimate); with ACCUMULATE_SHARDED=0 (no_sync) the full gradients,
+#   summed in fp32 between micro-batches (as FSDP2), make it about 61.6 GB;
 # - with --no_layer_wrap_policy: the whole model is gathered at once (13.5 GB of bf16 weights),
 #   and in backward its whole gradient arrives beside them (autograd's and the flat one, 2 x 2P
-#   bytes for a moment): peak about 60.7 GB in one micro-batch (largest batch per GPU 10), but
-#   87.6 GB with this script's 2 accumulation steps: it does NOT fit in 80 GB, at any batch per GPU
-#   with accumulation (`TOTAL_BATCH_SIZE=16 sbatch slurm/05_fsdp.sh --no_layer_wrap_policy` runs it
+#   bytes for a moment): peak about 60.7 GB in one micro-batch (largest batch per GPU 10); with
+#   this script's 2 accumulation steps about 67.4 GB sharded (the default here), but 86.7 GB under
+#   no_sync (ACCUMULATE_SHARDED=0), which does NOT fit in 80 GB at any batch per GPU with
+#   accumulation (`TOTAL_BATCH_SIZE=16 sbatch slurm/05_fsdp.sh --no_layer_wrap_policy` runs it
 #   in one micro-batch of 4 per GPU: 60.7 GB);
 # - per micro-batch the layers are all-gathered twice (in bf16) and the root once (it stays
 #   gathered from forward to backward, as in FSDP2), and the gradients reduce-scattered once per

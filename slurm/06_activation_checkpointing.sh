@@ -24,9 +24,10 @@
 #                CUDA out of memory in the first step. The largest batch that fits without
 #                checkpointing is 18 (peak ~79.9 GB at 18; ~47.1 GB at 8).
 #   GRADIENT_CHECKPOINTING=0 BATCH_SIZE_PER_DEVICE=8: the same 512 sequences per step in 16
-#                micro-batches; fits, barely: ~74.0 GB with --gradient_accumulation_steps 16, which
-#                counts the full gradients minidist's FSDP sums in fp32 through no_sync micro-batches
-#                (4 x 6.74e9 = 27.0 GB). It gathers every layer twice per micro-batch and the root
+#                micro-batches; fits: ~53.9 GB with the --accumulate_sharded chess_finetune.sh passes
+#                (only the fp32 gradient shard kept between micro-batches, a reduce-scatter each);
+#                barely under no_sync (ACCUMULATE_SHARDED=0): ~74.0 GB with --gradient_accumulation_steps
+#                16, which counts the full gradients minidist's FSDP sums in fp32 (4 x 6.74e9 = 27.0 GB). It gathers every layer twice per micro-batch and the root
 #                once: 32 all-gathers of each layer (16 of the root) and one reduce-scatter per step
 #                instead of 2 (1) and 1. Same losses as the default run,
 #                up to bf16 rounding.

@@ -15,14 +15,15 @@
 #   bf16 (default)  model states 27.0 GB per GPU (fp32 master shard, gradient shard, Adam moments:
 #                   16P/N in both precisions), activations 12.6 GB, peak ~35.3 GB in backward
 #                   (largest batch 18); with this script's 2 accumulation steps
-#                   (--gradient_accumulation_steps 2), whose full gradients are summed in fp32,
-#                   ~61.6 GB: fits. Sent per GPU per micro-batch: the layers all-gathered twice in bf16,
+#                   (--gradient_accumulation_steps 2) ~42.0 GB with the --accumulate_sharded that
+#                   chess_finetune.sh passes (only the fp32 gradient shard kept), ~61.6 GB under
+#                   no_sync (ACCUMULATE_SHARDED=0: full gradients summed in fp32): fits. Sent per GPU per micro-batch: the layers all-gathered twice in bf16,
 #                   the root (P_root = 262M, kept gathered from forward to backward) once, and per step
 #                   an fp32 reduce-scatter: (2 x 2 x (2P - P_root) + 4P) x 3/4 = 59.9 GB per step
 #                   with the 2 micro-batches, 40.0 GB in one (`comm_bytes`).
 #   MIXED_PRECISION=fp32  activations 22.8 GB, gathered units 2.7 GB, peak ~47.1 GB (largest
-#                   batch 9); with the 2 accumulation steps, whose full gradients are fp32 too,
-#                   ~73.7 GB: fits; sent 4 x (3P - P_root) x 3/4 = 59.9 GB in one micro-batch,
+#                   batch 9); with the 2 accumulation steps ~53.7 GB sharded, ~73.6 GB under no_sync
+#                   (the full gradients are fp32 too): fits; sent 4 x (3P - P_root) x 3/4 = 59.9 GB in one micro-batch,
 #                   (4 x 2 x (2P - P_root) + 4P) x 3/4 = 99.5 GB per step with the 2. Much slower:
 #                   an A100 does 19.5 TFLOP/s in fp32 (no TF32: PyTorch's default for matmuls)
 #                   against 312 in bf16 (NVIDIA A100 datasheet), so expect several times, up to

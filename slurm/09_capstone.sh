@@ -15,12 +15,17 @@
 # [--gradient_checkpointing]`, with each run's own accumulation. These are the figures of
 # PyTorch's FSDP2 and DDP (IMPL=torch; the estimator's default); the hand-written ones the default
 # run uses keep gradients differently through the accumulation: add `--impl minidist` to the command.
-#   default (FSDP, 4 x 512 tokens, 2 accumulation steps)  model states 27.0 GB, peak ~61.6 GB: fits
-#                                                          (FSDP2 keeps the full fp32 gradients, 27 GB,
-#                                                          through the accumulation; 35.2 GB without)
+#   default (FSDP, 4 x 512 tokens, 2 accumulation steps)  model states 27.0 GB, peak ~42.0 GB: fits
+#                                                          (chess_finetune.sh passes --accumulate_sharded:
+#                                                          only the fp32 gradient shard is kept between
+#                                                          micro-batches; add it to the command. Under
+#                                                          no_sync, ACCUMULATE_SHARDED=0, the full fp32
+#                                                          gradients, 27 GB, make it ~61.6 GB; 35.2 GB
+#                                                          in one micro-batch)
 #   --no_fsdp                                              model states 107.8 GB (+27 GB of DDP buckets),
 #                                                          peak ~163.8 GB: CUDA out of memory in step 1
-#   BATCH_SIZE_PER_DEVICE=1 / 2 / 8 (accumulation 8/4/1)   peak ~52.5 / 55.4 / 47.4 GB: all fit;
+#   BATCH_SIZE_PER_DEVICE=1 / 2 / 8 (accumulation 8/4/1)   peak ~33.7 / 36.0 / 47.4 GB sharded (52.5 / 55.4
+#                                                          under no_sync): all fit;
 #                                                          16 would need TOTAL_BATCH_SIZE=64 (~73.7 GB)
 #   --gradient_checkpointing                               activations 12.6 -> 0.9 GB, peak ~50.4 GB,
 #                                                          about a third more time per step
