@@ -14,7 +14,9 @@ step never does. With `predict_with_generate`, `Seq2SeqTrainer.prediction_step` 
 2. **A forward with the labels, for the eval loss**, under `no_grad`: nothing is saved for
    backward, but the logits of the whole eval batch (b x target x vocab) and the loss's fp32
    log-probabilities exist at once: `eval_forward_bytes` by formula, `eval_forward_peak` with all
-   the rest, measured by PyTorch's `MemTracker`.
+   the rest, measured by PyTorch's `MemTracker`. (Training's logits term, `estimator.activations`,
+   is two fp32 tensors the logits' size beside the saved log-probabilities, the loss's gradients as
+   backward starts; under `no_grad` no gradient is made, and the logits stay in the forward's dtype.)
 3. **Accumulation** (`Trainer.evaluation_loop`): each batch's predictions and labels are
    concatenated onto what came before, *on the GPU*, for the whole eval set, unless
    `eval_accumulation_steps` moves them to the CPU every that many batches. With

@@ -5,8 +5,10 @@
 frees in its own order. Four moments cover the step, as `measure.LiveTensors` sees it:
 
 - **forward**: the end of the last micro-batch's forward. Everything saved for backward, the
-  logits moment, autocast's weight copies; with accumulation, the gradients of the earlier
-  micro-batches are already there (the first micro-batch finds none: `zero_grad(set_to_none)`).
+  logits term (two fp32 tensors the logits' size: the loss's, alive inside its forward and again
+  as backward starts, counted here, at the boundary), autocast's weight copies; with accumulation,
+  the gradients of the earlier micro-batches are already there (the first micro-batch finds none:
+  `zero_grad(set_to_none)`).
 - **backward**: while backward reduces. For DDP, the end of backward, when autograd's gradients
   and the buckets are both alive; for ZeRO-1, each bucket's reduce-scatter once backward is
   over; for ZeRO-2 and FSDP, the first units or buckets to be reduced, while most activations
@@ -301,7 +303,9 @@ class _FsdpWalk(_Timeline):
             self.add("activations", self.kept_acts[i])
             self.add("gathered units", -self.held(unit))
         self.add("activations", self.rest + self.acts["weight_copies"])
-        self.add("logits", self.acts["logits"])  # the head's output, its fp32 copy and log-probabilities
+        # The logits term: two fp32 tensors the logits' size (in forward the fp32 logits and the loss's
+        # shifted copy, as backward starts the loss's gradients), beside the saved log-probabilities
+        self.add("logits", self.acts["logits"])
         self.add("gathered units", -self.compute_bytes * self.lingering)  # FSDP2: backward's first copy-out lets it go
         self.lingering = 0
         forward, self.worst = self.worst, dict(self.live)
@@ -310,7 +314,7 @@ class _FsdpWalk(_Timeline):
     def backward(self) -> dict:
         """Backward from the loss to the embedding: the worst moment of it."""
         root, layers, head = self.root, self.layers, self.head
-        self.add("logits", -self.acts["logits"])  # consumed by the output layer's backward, which makes its gradient
+        self.add("logits", -self.acts["logits"])  # the loss's backward is done with them before the output layer's
         self.add("gradients", self.fresh * head)
         self.add("activations", -self.rest - self.acts["weight_copies"])  # the loss's and the output layer's
         if layers:
