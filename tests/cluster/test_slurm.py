@@ -40,6 +40,9 @@ FINETUNE_ARGS = ["--max_steps", "2", *SMALL, "--no_save"]
 # One CPU and two "GPUs" (CPU ranks) per job, instead of the scripts' 32 CPUs, 4 GPUs and the
 # whole node's memory, so that four jobs run at once on two nodes.
 SMALL_JOB = ["--cpus-per-task=1", "--gpus-per-node=2", "--mem=2G"]
+# The rendezvous store's own process (slurm/allocation.sh's rendezvous_store), on the head node, up
+# before the torchruns join it: none of them hosts it, so none takes it along (pytorch/pytorch#69520).
+STORE_UP = "rendezvous store: listening on "
 
 # Per lesson script: the lines its log must show and, where it is not a two-step fine-tune, the
 # arguments and environment it takes and whether it trains (then metrics.jsonl holds steps 1, 2).
@@ -50,7 +53,7 @@ LESSONS = {
     "01_collectives": {"args": ["--min_bytes", "1K", "--max_bytes", "64K", "--factor", "8", "--warmup", "1", "--iters", "2"],
                        "env": {"OPS": "all_reduce"}, "trains": False,
                        "log": ["lesson 01: collective bandwidth on 1 node(s) x 2 GPUs", "all_reduce on 2 x cpu (gloo)",
-                               "peak busbw"]},
+                               "peak busbw", STORE_UP]},
     "02_ddp": {"log": ["lesson 02: minidist/ddp (bucketed)", "minidist/ddp on 2 x cpu", "step    2/2"]},
     "03_accumulation": {"log": ["lesson 03: total batch 8, 2 per device, the rest accumulated",
                                 "minidist/fsdp on 2 x cpu | global batch 8 = 2 x 2 ranks x 2 accumulation", "step    2/2"]},
@@ -67,7 +70,7 @@ LESSONS = {
     "10_multinode": {"trains": False, "log": ["lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA,"
                                               " on 2 node(s)", "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
                                               "LoRA r=16: training", "fsdp step 2: rank 0 sent",
-                                              "hsdp step 2: rank 0 sent", "hsdp-lora step 2: rank 0 sent"]},
+                                              "hsdp step 2: rank 0 sent", "hsdp-lora step 2: rank 0 sent", STORE_UP]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
 VENV_BIN = Path(sys.executable).parent
@@ -211,6 +214,7 @@ def test_the_two_node_lesson_sends_less_across_nodes_with_hsdp(jobs):
     and with LoRA only the adapters' shard crosses."""
     [(record, log)] = jobs.wait("10_multinode")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert log.count(STORE_UP) == 3, log  # a fresh rendezvous store for each run: the first one's closed its rendezvous
     runs = {s: [json.loads(line) for line in (jobs.outs["10_multinode"] / s / "metrics.jsonl").read_text().splitlines()]
             for s in ("fsdp", "hsdp", "hsdp-lora")}
     assert [r["step"] for r in runs["fsdp"]] == [r["step"] for r in runs["hsdp"]] == [1, 2]
