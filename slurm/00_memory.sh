@@ -26,8 +26,9 @@
 #   not change the 107.8 GB of model states either. Only sharding them over GPUs does: FSDP on 4
 #   GPUs holds 27.0 GB of model states, peak about 35.2 GB in one micro-batch; with
 #   slurm/chess_finetune.sh's 2 accumulation steps (--gradient_accumulation_steps 2) about 42.0 GB
-#   with the --accumulate_sharded it passes there (61.6 GB under no_sync, ACCUMULATE_SHARDED=0:
-#   the estimate this script prints counts no_sync's full gradients; lesson 03).
+#   with the --accumulate_sharded it passes there (61.6 GB under no_sync, ACCUMULATE_SHARDED=0;
+#   lesson 03). The estimate this script prints is of the run it starts: with --accumulate_sharded
+#   where chess_finetune.sh will pass it (STRATEGY=fsdp accumulates 8 micro-batches on 1 GPU).
 # Exit status: non-zero (the failure is the lesson). Read the estimate, then the traceback.
 #
 # The launch itself (srun, torchrun, rendezvous, batch sizes, requeue on preemption) is
@@ -90,10 +91,19 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     case ${args[i]} in
         --strategy|--impl|--max_seq_length|--mixed_precision|--batch_size_per_device|--reduce_dtype|--bucket_cap_mb|--ddp_variant)
             ESTIMATE+=("${args[i]}" "${args[i + 1]:-}") ;;
-        --gradient_checkpointing|--no_layer_wrap_policy) ESTIMATE+=("${args[i]}") ;;
+        --gradient_checkpointing|--no_layer_wrap_policy|--accumulate_sharded) ESTIMATE+=("${args[i]}") ;;
         --no_fsdp) ESTIMATE+=(--strategy ddp) ;;
     esac
 done
+# chess_finetune.sh accumulates sharded where that wins (allocation.sh's sharded_accumulation): ask
+# the same rule, in a subshell (the STRATEGY array it fills is its own), so that the estimate is of
+# the run it starts.
+if ( NNODES=${SLURM_NNODES:-1} GRADIENT_ACCUMULATION_STEPS=$ACCUMULATION ACCUMULATE_SHARDED=${ACCUMULATE_SHARDED:-auto}
+     STRATEGY=(--strategy "$STRATEGY")
+     sharded_accumulation "$@" >/dev/null
+     [[ " ${STRATEGY[*]} " == *" --accumulate_sharded "* ]] ); then
+    ESTIMATE+=(--accumulate_sharded)
+fi
 echo "lesson 00: the memory estimate for this run (python -m minidist.memory $MODEL ${ESTIMATE[*]}):"
 python -m minidist.memory "$MODEL" "${ESTIMATE[@]}"
 echo "lesson 00: now the run itself, $IMPL/$STRATEGY on $WORLD_SIZE GPU(s); on 1 A100-80GB expect CUDA out of memory in the first step"

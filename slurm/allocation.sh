@@ -13,6 +13,9 @@
 #   rendezvous_store          starts torchrun's rendezvous store on this node (the head node) in the
 #                             background, stopped when the script exits or by stop_rendezvous_store;
 #                             every torchrun then joins it with --rdzv_conf is_host=0
+#   sharded_accumulation ARGS adds --accumulate_sharded to the STRATEGY array where chess_finetune.sh
+#                             accumulates sharded (one node, a sharding strategy, more than one
+#                             micro-batch; ACCUMULATE_SHARDED=auto|0|1), and says so in one line
 
 whole_number() {  # MIN NAME...: each variable must hold a whole number >= MIN
     local min=$1 name
@@ -159,4 +162,32 @@ stop_rendezvous_store() {  # once every torchrun has left; again (the EXIT trap)
 kill "$RENDEZVOUS_STORE_PID" 2>/dev/null || true
 wait "$RENDEZVOUS_STORE_PID" 2>/dev/null || true
 RENDEZVOUS_STORE_PID=
+}
+
+sharded_accumulation() {  # "$@": the run's arguments; adds the flag to STRATEGY, or says why not
+# More than one micro-batch and a strategy that shards gradients (fsdp, the default; hsdp, zero2):
+# sharded accumulation on one node, where it wins (chess_finetune.sh's header, lesson 03). Reads
+# NNODES, GRADIENT_ACCUMULATION_STEPS, ACCUMULATE_SHARDED and the STRATEGY array the script has set.
+    local strategy=fsdp accumulation=$GRADIENT_ACCUMULATION_STEPS previous= arg
+    for arg in "${STRATEGY[@]}" "$@"; do  # the last value given wins, as in argparse
+        case $previous in
+            --strategy) strategy=$arg ;;
+            --gradient_accumulation_steps) accumulation=$arg ;;
+        esac
+        case $arg in
+            --strategy=*) strategy=${arg#*=} ;;
+            --gradient_accumulation_steps=*) accumulation=${arg#*=} ;;
+            --no_fsdp) strategy=ddp ;;
+            --accumulate_sharded) return 0 ;;  # asked for on the command line already
+        esac
+        previous=$arg
+    done
+    # DDP and ZeRO-1 keep full gradients anyway (finetune refuses the flag there); one micro-batch has nothing to keep.
+    [[ $accumulation != 1 && $strategy =~ ^(zero2|fsdp|hsdp)$ && $ACCUMULATE_SHARDED != 0 ]] || return 0
+    if [[ $ACCUMULATE_SHARDED == auto ]] && (( NNODES > 1 )); then
+        echo "$accumulation micro-batches on $NNODES nodes: no_sync (ACCUMULATE_SHARDED=1: reduce-scatter every micro-batch)"
+        return 0
+    fi
+    STRATEGY+=(--accumulate_sharded)
+    echo "$accumulation micro-batches: sharded accumulation (--accumulate_sharded; ACCUMULATE_SHARDED=0: no_sync)"
 }

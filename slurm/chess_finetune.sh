@@ -182,32 +182,8 @@ if (( NNODES > 1 && ! CHOSEN )); then
     echo "$NNODES nodes: hybrid sharding (--strategy hsdp): $GPUS_PER_NODE GPUs shard each copy, the nodes replicate"
 fi
 
-# More than one micro-batch and a strategy that shards gradients (fsdp, the default; hsdp, zero2):
-# sharded accumulation on one node, where it wins (see the header): --accumulate_sharded.
-sharded_accumulation() {  # "$@": the run's arguments; adds the flag to STRATEGY, or says why not
-    local strategy=fsdp accumulation=$GRADIENT_ACCUMULATION_STEPS previous= arg
-    for arg in "${STRATEGY[@]}" "$@"; do  # the last value given wins, as in argparse
-        case $previous in
-            --strategy) strategy=$arg ;;
-            --gradient_accumulation_steps) accumulation=$arg ;;
-        esac
-        case $arg in
-            --strategy=*) strategy=${arg#*=} ;;
-            --gradient_accumulation_steps=*) accumulation=${arg#*=} ;;
-            --no_fsdp) strategy=ddp ;;
-            --accumulate_sharded) return 0 ;;  # asked for on the command line already
-        esac
-        previous=$arg
-    done
-    # DDP and ZeRO-1 keep full gradients anyway (finetune refuses the flag there); one micro-batch has nothing to keep.
-    [[ $accumulation != 1 && $strategy =~ ^(zero2|fsdp|hsdp)$ && $ACCUMULATE_SHARDED != 0 ]] || return 0
-    if [[ $ACCUMULATE_SHARDED == auto ]] && (( NNODES > 1 )); then
-        echo "$accumulation micro-batches on $NNODES nodes: no_sync (ACCUMULATE_SHARDED=1: reduce-scatter every micro-batch)"
-        return 0
-    fi
-    STRATEGY+=(--accumulate_sharded)
-    echo "$accumulation micro-batches: sharded accumulation (--accumulate_sharded; ACCUMULATE_SHARDED=0: no_sync)"
-}
+# More than one micro-batch and a strategy that shards gradients: --accumulate_sharded on one node,
+# where it wins (see the header; the rule is allocation.sh's sharded_accumulation, lesson 00's estimate reads it too).
 sharded_accumulation "$@"
 
 # A checkpoint from an earlier start of this job (or an earlier job with this OUTPUT_DIR): go on from it.

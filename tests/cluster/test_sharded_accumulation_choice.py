@@ -6,10 +6,11 @@ it stays off unless ACCUMULATE_SHARDED=1; ACCUMULATE_SHARDED=0 turns it off ever
 reach a strategy that refuses it (DDP, `--no_fsdp`, ZeRO-1): each case's arguments are parsed by
 `minidist.finetune` and checked by `ParallelOptions`, as a job would.
 
-No SLURM is needed: the function is read out of the script and run by bash with the variables the
-script has set by then (NNODES, GRADIENT_ACCUMULATION_STEPS, STRATEGY), as test_requeue_message.py
-does for `requeue`."""
+No SLURM is needed: the function is read out of slurm/allocation.sh (which chess_finetune.sh and
+lesson 00's script source) and run by bash with the variables the script has set by then (NNODES,
+GRADIENT_ACCUMULATION_STEPS, STRATEGY), as test_requeue_message.py does for `requeue`."""
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -19,16 +20,17 @@ import pytest
 from minidist import finetune
 from minidist.parallel.options import ParallelOptions
 
-SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "chess_finetune.sh"
+SLURM = Path(__file__).resolve().parents[2] / "slurm"
+SCRIPT, LIBRARY = SLURM / "chess_finetune.sh", SLURM / "allocation.sh"
 FLAG = "--accumulate_sharded"
 
 
 def arguments(args: list[str], nodes: int = 1, accumulation: int = 2, choice: str = "auto") -> list[str]:
     """The arguments the script passes to the training: its accumulation, STRATEGY (after the choice),
     then the run's own."""
-    text = SCRIPT.read_text()
+    text = LIBRARY.read_text()
     function = re.search(r"^sharded_accumulation\(\) \{.*?^\}", text, re.DOTALL | re.MULTILINE)
-    assert function, "chess_finetune.sh has no sharded_accumulation function"
+    assert function, "allocation.sh has no sharded_accumulation function"
     strategy = "(--strategy hsdp)" if nodes > 1 and not {"--strategy", "--no_fsdp"} & set(args) else "()"
     script = (f"set -euo pipefail\nNNODES={nodes} GRADIENT_ACCUMULATION_STEPS={accumulation} "
               f"ACCUMULATE_SHARDED={choice}\nSTRATEGY={strategy}\n{function.group(0)}\n"
@@ -75,3 +77,23 @@ def test_a_bad_switch_is_one_line():
     done = subprocess.run(["bash", str(SCRIPT)], check=False, env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr.splitlines()) == (2, [
         "error: ACCUMULATE_SHARDED=yes must be auto, 1 (sharded accumulation) or 0 (no_sync)"]), done.stderr
+
+
+@pytest.mark.parametrize("strategy,choice,added", [("fsdp", "auto", True),   # 32 = 4 x 1 GPU x 8 micro-batches
+                                                   ("ddp", "auto", False),   # the lesson's default: no shards
+                                                   ("fsdp", "0", False)])
+def test_lesson_00_estimates_the_run_it_starts(tmp_path, strategy, choice, added):
+    """slurm/00_memory.sh prints the estimate of the run it hands to chess_finetune.sh, so the estimate
+    carries `--accumulate_sharded` exactly where that script will pass it. Outside SLURM the script
+    prints the estimate, then chess_finetune.sh stops in one line (no SLURM_JOB_ID)."""
+    from minidist.hf import models
+
+    model = models.write_tiny_llama(tmp_path / "tiny")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "MODEL": str(model), "STRATEGY": strategy,
+           "ACCUMULATE_SHARDED": choice}
+    env.pop("SLURM_JOB_ID", None)
+    done = subprocess.run(["bash", str(SLURM / "00_memory.sh")], capture_output=True, text=True, env=env,
+                          cwd=SLURM.parent, timeout=300)
+    assert done.returncode == 2 and "SLURM_JOB_ID is not set" in done.stderr, done.stderr[-2000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("lesson 00: the memory estimate")]
+    assert (f" --strategy {strategy} " in line) and ((FLAG in line) == added), line
