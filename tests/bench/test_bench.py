@@ -117,3 +117,28 @@ def test_the_gpu_check_tells_a_mistake_in_one_line(tmp_path, case):
                           text=True, cwd=ROOT, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert done.returncode == 2 and said in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+
+
+def _zero2_bucket_sizes(hidden_size: int, num_layers: int) -> tuple[list[int], int]:
+    """In a rank: the bytes of each ZeRO-2 bucket the fsdp bench builds at its default 25 MB cap,
+    and one decoder layer's fp32 gradient bytes."""
+    from transformers import LlamaForCausalLM
+
+    from minidist.bench import strategies
+    from minidist.hf import models
+
+    base = LlamaForCausalLM(models.tiny_llama_config(hidden_size=hidden_size, num_layers=num_layers,
+                                                     num_heads=hidden_size // 64))
+    wrapped, _ = strategies._fsdp_implementations(base, 25.0)
+    zero2 = wrapped[strategies.ZERO2][0]
+    return [4 * b.weights.numel() for b in zero2.buckets], 4 * sum(p.numel() for p in base.model.layers[0].parameters())
+
+
+def test_the_fsdp_bench_gives_zero2_buckets_of_at_most_a_layer():
+    # At 8 x 256 the whole model's gradients (29 MB) nearly fit one default 25 MB bucket, and ZeRO-2's
+    # two live buckets would be nearly a copy of them: the bench compares it with FSDP2 at FSDP2's
+    # grain, a layer (issue 34). A layer's bucket may carry a small neighbour (a norm) with it.
+    from minidist.runtime.launch import launch
+
+    sizes, layer = launch(_zero2_bucket_sizes, 1, 256, 8)[0]
+    assert len(sizes) >= 8 and max(sizes) <= layer * 1.01, (sizes, layer)
