@@ -22,6 +22,13 @@
         mesh.py          the process-group layout: the data-parallel shard and replicate dimensions
     10  offload.py       CPU offload (ZeRO-Offload): masters, moments and the optimizer step on the host
         frozen.py        frozen parameters in an FSDP unit (LoRA's base weights): gathered, never reduced
+    11  tensor/          tensor and sequence parallelism: a layer's matrices cut over the ranks
+        tensor/ops.py    the conjugate operators (f, g, and sequence parallelism's gather and
+                         reduce-scatter), each an autograd function
+        tensor/linear.py column- and row-parallel linears
+        tensor/vocab.py  the vocabulary cut: embedding, head, and a loss that never gathers logits
+        tensor/llama.py  a Hugging Face Llama cut in place: heads (grouped-query attention too), MLP,
+                         vocabulary, and sequence parallelism's norms
 
 Measurement, not taught: `across_nodes.py` splits `comm.py`'s byte count into the bytes within a
 node and across nodes, for metrics.jsonl (a subscriber of `comm.counter`).

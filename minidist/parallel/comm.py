@@ -123,13 +123,14 @@ def _local(async_op: bool):
     return _Done() if async_op else None
 
 
-def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False):
-    """Sum ``tensor`` over the ranks, in place. With ``async_op`` return a handle to ``wait()`` on."""
+def all_reduce(tensor: torch.Tensor, group=None, async_op: bool = False, op=dist.ReduceOp.SUM):
+    """Sum ``tensor`` over the ranks, in place (or its largest, with ``op=dist.ReduceOp.MAX``: the
+    vocabulary-parallel loss, `tensor/vocab.py`). With ``async_op`` return a handle to ``wait()`` on."""
     n = _world(group)
     if n == 1:
         return _local(async_op)
     _count(2 * (n - 1), tensor, group)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 class _ShardAfter:
