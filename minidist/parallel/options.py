@@ -35,6 +35,8 @@ IMPLEMENTATIONS = ("minidist", "torch")
 DTYPES = ("fp32", "bf16")
 DDP_VARIANTS = ("bucketed", "naive")
 EVERY = ("minidist", "torch"), STRATEGIES + HYBRID  # (implementations, strategies) an option applies to
+# What tensor parallelism (lesson 11) composes with over the data-parallel dimension, so far.
+TENSOR_PARALLEL_WITH = ("minidist/ddp", "minidist/fsdp")
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
 # Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them,
@@ -71,6 +73,10 @@ class ParallelOptions:
     accumulate_sharded: bool = _option(False, "with accumulation: reduce-scatter every micro-batch and keep only the "
                                        "shard's gradient, instead of full gradients under no_sync",
                                        applies=(IMPLEMENTATIONS, ("zero2", "fsdp", "hsdp")))
+    tp_size: int = _option(1, "tensor parallelism: each layer's matrices cut over this many ranks, which see the "
+                           "same batch (lesson 11)", flag_type=int)
+    sequence_parallel: bool = _option(False, "with --tp_size: the norms and the residual stream cut along the "
+                                      "sequence between the blocks")
 
     DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed"}
 
@@ -106,7 +112,20 @@ class ParallelOptions:
                              f"--impl minidist --strategy zero1 or zero2, or --strategy fsdp (either --impl)")
         if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < math.inf:  # NaN too: no bucket ever fills
             raise ValueError(f"--bucket_cap_mb must be a positive, finite number of MB, got {self.bucket_cap_mb}")
+        self._check_tensor_parallel()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp_size must be at least 1, got {self.tp_size}")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("--sequence_parallel cuts the sequence over the tensor-parallel ranks: it needs "
+                             "--tp_size 2 or more")
+        if self.tp_size > 1 and self.name not in TENSOR_PARALLEL_WITH:
+            raise ValueError(f"--tp_size composes with {' or '.join(TENSOR_PARALLEL_WITH)} over the data-parallel "
+                             f"ranks, not {self.name}")
+        if self.tp_size > 1 and self.cpu_offload:
+            raise ValueError("--cpu_offload with --tp_size has not been built: use one or the other")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
