@@ -24,13 +24,15 @@ def tokenize_games(texts, tokenizer, max_seq_length):
     return [(seq + [tokenizer.eos_token_id])[:max_seq_length] for seq in ids]
 
 
-def collate(sequences, pad_token_id):
+def collate(sequences, pad_token_id, multiple: int = 1):
     """Right-pad to the longest sequence; labels copy input_ids but are -100 (ignored) on padding.
 
     The loss shifts labels by one itself; -100 is the `ignore_index` of `cross_entropy`, so
-    padding adds neither loss nor gradient, however many pad tokens a batch holds.
+    padding adds neither loss nor gradient, however many pad tokens a batch holds. `multiple`
+    rounds the length up to a multiple of it (sequence parallelism cuts the sequence into equal
+    chunks: `parallel/tensor/ops.py`).
     """
-    length = max(len(s) for s in sequences)
+    length = -(-max(len(s) for s in sequences) // multiple) * multiple
     input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
     for i, seq in enumerate(sequences):

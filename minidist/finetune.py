@@ -188,7 +188,8 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
     say = print if env.is_main else _silent
     micro_bs, pad_token_id = args.batch_size_per_device, games.tokenizer.pad_token_id
-    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy} on "
+    tensor = f" x tensor-parallel {mesh.tp_size}{' + SP' if args.sequence_parallel else ''}" if mesh.tp_size > 1 else ""
+    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{tensor} on "
         f"{env.world_size} x {env.device.type} | global batch {games.sampler.global_batch_size} = {micro_bs} x "
         f"{mesh.size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
@@ -208,7 +209,8 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
         with around_step():  # whatever a caller measures of the whole step (see `train`); nothing by default
             t0 = time.perf_counter()
             micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.rank,
-                                                                mesh.size, micro_bs, pad_token_id, env.device)
+                                                                mesh.size, micro_bs, pad_token_id, env.device,
+                                                                strategy.sequence_multiple)
             lr = scheduler.get_last_lr()[0]
             with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
                 with around_train_step():  # whatever a caller measures (see `train`); nothing by default
@@ -282,6 +284,9 @@ def _check(args, env, session: Session):
                       f"(not legal chess)")
         sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
         sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
+        if args.tp_size > 1 and (args.save_steps or args.resume):
+            raise ValueError("checkpoints of a tensor-parallel run (--tp_size) are not built yet: drop --save_steps "
+                             "and --resume (the final model is written)")
         if args.illegal_games == "refuse":  # the games the steps draw, as the sampler deals them
             used = {i for step in range(args.max_steps) for i in sampler.global_batch(step)}
             legal_moves.check_training_games(texts, args.data, "refuse", used)
@@ -355,8 +360,8 @@ def _legal_rate(when: str, model, games: Games, strategy, env, say) -> float | N
     """The share of legal next moves the model generates on the held-out prefixes (None without any)."""
     if not games.prefixes:
         return None
-    with strategy.autocast():
-        result = legal_moves.legal_move_rate(model, games.tokenizer, games.prefixes, env.device)
+    with strategy.autocast():  # the data-parallel ranks share the prefixes: tensor-parallel ranks judge the same ones
+        result = legal_moves.legal_move_rate(model, games.tokenizer, games.prefixes, env.device, group=strategy.mesh.group)
     say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
     return result["legal_move_rate"]
 

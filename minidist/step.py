@@ -59,9 +59,10 @@ def follow_schedule(scheduler) -> None:
 
 def assemble_micro_batches(sampler: GlobalBatchSampler, sequences: list[list[int]], step: int, rank: int,
                            world_size: int, micro_batch_size: int, pad_token_id: int,
-                           device: torch.device) -> tuple[list[dict], int]:
-    """This rank's micro-batches of optimizer step `step`, collated and on `device`, and the number
-    of target tokens in the whole global batch: what `train_step` takes.
+                           device: torch.device, multiple: int = 1) -> tuple[list[dict], int]:
+    """This rank's micro-batches of optimizer step `step`, collated (padded to a multiple of
+    `multiple` tokens) and on `device`, and the number of target tokens in the whole global batch:
+    what `train_step` takes. `rank` and `world_size` are the data-parallel ones.
 
     The sampler knows every rank's share of the global batch (`batches.py`), so every rank counts
     the whole batch's targets itself, with no communication: a sequence of n tokens has n - 1
@@ -69,7 +70,7 @@ def assemble_micro_batches(sampler: GlobalBatchSampler, sequences: list[list[int
     num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))  # every rank can count it
     micro_batches = []
     for ids in sampler.micro_batches(step, rank, world_size, micro_batch_size):
-        batch = collate([sequences[i] for i in ids], pad_token_id)
+        batch = collate([sequences[i] for i in ids], pad_token_id, multiple)
         micro_batches.append({name: tensor.to(device) for name, tensor in batch.items()})
     return micro_batches, num_targets
 
@@ -82,8 +83,16 @@ def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     # Position t predicts token t+1; padding carries the label -100 and is ignored. The softmax
     # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
-                           ignore_index=-100, reduction="sum")
+    # Under tensor parallelism the logits are this rank's slice of the vocabulary, and the strategy
+    # computes the loss from the slices (`Strategy.cross_entropy_sum`). Stand-ins that only give the
+    # precision (`memory/trace.py`'s) have no such method: the whole vocabulary is here then.
+    loss_sum = getattr(strategy, "cross_entropy_sum", cross_entropy_sum)
+    return loss_sum(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of next-token logits over the whole vocabulary; -100 is ignored."""
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
 
 
 def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:

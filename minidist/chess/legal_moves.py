@@ -205,9 +205,10 @@ def _ready_to_generate(model):
         yield model, False
 
 
-def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32) -> dict:
-    """The share of prefixes whose greedy next move is legal, over all ranks."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32, group=None) -> dict:
+    """The share of prefixes whose greedy next move is legal, over all ranks, or over `group`'s:
+    the data-parallel ranks, when tensor-parallel ranks must judge the same prefixes together."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     mine = prefixes[rank::world]
     per_rank = -(-len(prefixes) // world)  # every rank loops this many times (see module doc)
     padded = mine + [prefixes[0]] * (per_rank - len(mine))
@@ -226,7 +227,7 @@ def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_s
     model.train(was_training)
     counts = torch.tensor([legal, len(mine)], dtype=torch.long, device=device)
     if dist.is_initialized():
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=group)
     legal, total = counts.tolist()
     return {"legal_move_rate": legal / max(total, 1), "legal": legal, "total": total, "samples": samples}
 

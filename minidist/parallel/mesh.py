@@ -22,6 +22,13 @@ between nodes. The grid is a 2-D `DeviceMesh` (`init_device_mesh(device, (R, S),
 mesh_dim_names=("dp_replicate", "dp_shard"))`), and both groups are taken from it: the
 hand-written FSDP and PyTorch's FSDP2 then run on the same groups.
 
+**Tensor parallelism** (`--tp_size T`, lesson 11: `tensor/`) adds a dimension inside the data one:
+T consecutive ranks (of one node, where NVLink joins them) cut each layer's matrices among
+themselves and see the same batch, and the data-parallel dimension runs across these groups. The
+ranks are a D x T grid, `("dp_shard", "tp")`: tensor-parallel group i = ranks [iT, (i+1)T), and
+data-parallel group j = ranks {j, j+T, j+2T, ...}, the ranks holding the same slices. Every field
+below is then the data-parallel one (D ranks), and `tp_group` holds the other.
+
 This object is where the choice is made, and every piece of the run reads its groups from it:
 the loop (how the batch is split), both FSDPs and ZeRO (`shard_group`, `replicate_group`), DDP
 (`group`) and the checkpoints (`shard_device_mesh`, `placements`). The byte counter does not
@@ -51,6 +58,8 @@ class DataParallelMesh:
     shard_size: int
     replicate_size: int = 1  # > 1 is HSDP
     replicate_group: dist.ProcessGroup | None = None  # HSDP: the ranks holding the same shard, one per node
+    tp_size: int = 1  # > 1: tensor parallelism (tensor/), over tp_group
+    tp_group: dist.ProcessGroup | None = None  # the ranks that cut each layer among themselves, on the same batch
 
     @property
     def shard_rank(self) -> int:
@@ -77,13 +86,17 @@ class DataParallelMesh:
         return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
 
 
-def data_parallel_mesh(shard_size: int | None = None) -> DataParallelMesh:
+def data_parallel_mesh(shard_size: int | None = None, tp_size: int = 1) -> DataParallelMesh:
     """Every rank of the process group is a data-parallel rank (init_distributed must have run).
 
     shard_size None: ZeRO and FSDP shard over all of them. Otherwise HSDP: groups of `shard_size`
-    consecutive ranks shard, and the ranks at the same place in each group replicate."""
+    consecutive ranks shard, and the ranks at the same place in each group replicate. tp_size > 1
+    (not with HSDP): groups of `tp_size` consecutive ranks are tensor-parallel, and the data-parallel
+    ranks are one per group (the module docstring's grid)."""
     world = dist.group.WORLD
     size, rank = dist.get_world_size(world), dist.get_rank(world)
+    if tp_size > 1:
+        return _tensor_parallel_mesh(size, rank, tp_size)
     if shard_size is None:
         return DataParallelMesh(group=world, shard_group=world, rank=rank, size=size, shard_size=size)
     if shard_size < 1 or size % shard_size:
@@ -92,6 +105,15 @@ def data_parallel_mesh(shard_size: int | None = None) -> DataParallelMesh:
     return DataParallelMesh(group=world, shard_group=mesh.get_group("dp_shard"), rank=rank, size=size,
                             shard_size=shard_size, replicate_size=size // shard_size,
                             replicate_group=mesh.get_group("dp_replicate"))
+
+
+def _tensor_parallel_mesh(size: int, rank: int, tp_size: int) -> DataParallelMesh:
+    if size % tp_size:
+        raise ValueError(f"--tp_size {tp_size} must divide the {size} ranks into equal tensor-parallel groups")
+    mesh = device_mesh((size // tp_size, tp_size), ("dp_shard", "tp"))
+    dp_group = mesh.get_group("dp_shard")
+    return DataParallelMesh(group=dp_group, shard_group=dp_group, rank=rank // tp_size, size=size // tp_size,
+                            shard_size=size // tp_size, tp_size=tp_size, tp_group=mesh.get_group("tp"))
 
 
 def broadcast_from_first_copy(tensors, replicate_group) -> None:

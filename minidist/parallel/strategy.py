@@ -33,6 +33,7 @@ the world size, so the average of the ranks' gradients is the gradient of the gl
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minidist.parallel import across_nodes, comm, precision
@@ -55,8 +56,46 @@ class Strategy:
         HSDP's shard groups hold `--hsdp_shard_size` ranks, by default the ranks of a node."""
         if self._mesh is None:
             hybrid = self.options.strategy == "hsdp"
-            self._mesh = data_parallel_mesh(self.options.hsdp_shard_size or self.env.local_world_size if hybrid else None)
+            self._mesh = data_parallel_mesh(self.options.hsdp_shard_size or self.env.local_world_size if hybrid else None,
+                                            self.options.tp_size)
         return self._mesh
+
+    # ------------------------------------------------------------------ tensor parallelism (lesson 11)
+    # With --tp_size T the model is first cut over the mesh's tensor-parallel group (`tensor/llama.py`),
+    # then wrapped over its data-parallel group as without it. These are the places the cut shows.
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.options.tp_size > 1
+
+    def cut_layers(self, model: nn.Module) -> nn.Module:
+        """Cut each layer's matrices over the tensor-parallel ranks, in place (without --tp_size:
+        nothing). Called by `wrap` before the data-parallel wrapper goes around the cut model."""
+        if self.tensor_parallel:
+            from minidist.parallel.tensor.llama import parallelize_llama, split_parameters
+
+            for line in parallelize_llama(model, self.mesh.tp_group, self.options.sequence_parallel):
+                if self.env.is_main:
+                    print(line)
+            self._split = split_parameters(model)  # names of the sliced parameters: saving, clipping
+            self._vocabulary = model.lm_head.start, model.lm_head.vocab_size  # this rank's first token id, the real size
+        return model
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Batches are padded to a multiple of this many tokens: sequence parallelism cuts the
+        sequence into --tp_size equal chunks."""
+        return self.options.tp_size if self.options.sequence_parallel else 1
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of next-token `logits` against `targets` (-100: ignored). Under
+        tensor parallelism each rank holds a slice of the vocabulary's logits, and the loss is
+        computed from the slices (`tensor/vocab.py`), the same on every tensor-parallel rank."""
+        if not self.tensor_parallel:
+            return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")  # as step.cross_entropy_sum
+        from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
+
+        start, vocab_size = self._vocabulary
+        return vocab_parallel_cross_entropy(logits, targets, start, vocab_size, self.mesh.tp_group).sum()
 
     def load_model(self, name_or_path: str) -> nn.Module:
         """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
@@ -128,14 +167,37 @@ class Strategy:
     def clip_grad_norm_(self, model, max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm`; their norm before clipping, as a tensor on the device
         (read it when the number is needed: each read makes the host wait for the device)."""
+        if self.tensor_parallel:  # each rank holds slices: the norm is summed over the group (tensor/whole.py)
+            from minidist.parallel.tensor import whole
+
+            pieces = [(p.grad, [] if name in self._split else [slice(None)])
+                      for name, p in self.unwrap(model).named_parameters() if p.grad is not None]
+            return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group)
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
     def full_state_dict(self, model) -> dict | None:
         """The whole model's weights on rank 0, on the CPU (None on other ranks). Every rank calls it."""
+        if self.tensor_parallel:  # the first data-parallel rank of every tensor-parallel slice
+            return self._whole(lambda: {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()})
         if not self.env.is_main:
             return None
         return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+    def _whole(self, weights) -> dict | None:
+        """Tensor parallelism: the ranks of data-parallel rank 0, one per slice, take `weights()` and
+        join their slices (`tensor/whole.py`); rank 0 returns them, the others None."""
+        if self.mesh.rank != 0:
+            return None
+        from minidist.parallel.tensor.whole import whole_weights
+
+        full = whole_weights(weights(), self._split, self.mesh.tp_group)
+        return full if self.env.is_main else None
+
+    def check_tensor_parallel_checkpoints(self) -> None:
+        if self.tensor_parallel:  # finetune._check refuses --save_steps and --resume first
+            raise NotImplementedError("checkpoints of a tensor-parallel run (--tp_size) are not built yet: "
+                                      "its state was not saved")
 
     def get_state_dict(self, model, optimizer, full: bool) -> tuple[dict, dict]:
         """The model's and the optimizer's state for a checkpoint (`state.py`), keyed by parameter name.
@@ -146,6 +208,7 @@ class Strategy:
         (`ShardedByHand`) hand out and take back their flat shards instead."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        self.check_tensor_parallel_checkpoints()
         options = StateDictOptions(full_state_dict=full, cpu_offload=full)
         return get_state_dict(self.unwrap(model), optimizer, options=options)
 
@@ -153,6 +216,7 @@ class Strategy:
         """Load what `get_state_dict` gave; full=True: rank 0 holds it and broadcasts, the others pass {}."""
         from torch.distributed.checkpoint import state_dict as dsd
 
+        self.check_tensor_parallel_checkpoints()
         options = dsd.StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
         # Two calls, not set_state_dict: it would take the empty model dict of ranks > 0 to mean
         # "optimizer only", and those ranks would skip the broadcasts rank 0 sends.
@@ -181,7 +245,7 @@ class MinidistDDP(Strategy):
     def wrap(self, model):
         from minidist.parallel import ddp
 
-        model = model.to(self.env.device)
+        model = self.cut_layers(model.to(self.env.device))  # --tp_size: each rank keeps its slices
         # DDP's gradients have the fp32 parameters' dtype (fp64 in a test): reduced as they are,
         # unless --reduce_dtype bf16 asks for half the bytes.
         reduce_dtype = precision.reduction_dtype(next(model.parameters()).dtype, self.mp)
@@ -198,17 +262,21 @@ class ShardedByHand(Strategy):
         return model.clip_grad_norm_(max_norm)  # the norm of a gradient that is sharded: flat.py
 
     def full_state_dict(self, model):
-        full = model.full_parameters(keep=self.env.is_main)  # every rank takes part in the gathers
+        full = model.full_parameters(keep=self.mesh.rank == 0)  # every rank takes part in the gathers
+        if self.tensor_parallel:  # data-parallel rank 0 of each slice holds it: join the slices
+            return self._whole(lambda: full)
         return full if self.env.is_main else None
 
     def get_state_dict(self, model, optimizer, full):
         from minidist.parallel import flat_state
 
+        self.check_tensor_parallel_checkpoints()
         return flat_state.get_state_dict(model, optimizer, full, self.env, self.mesh)
 
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
         from minidist.parallel import flat_state
 
+        self.check_tensor_parallel_checkpoints()
         flat_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
 
 
@@ -236,15 +304,31 @@ class MinidistFSDP(ShardedByHand):
 
     def load_model(self, name_or_path):
         """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
-        no memory) and receive their shards when `wrap` scatters them (`load_on_rank0`)."""
-        return load_on_rank0(name_or_path, self.env)
+        no memory) and receive their shards when `wrap` scatters them (`load_on_rank0`). With
+        --tp_size T, the T ranks of data-parallel rank 0 read them, each to cut its own slices from."""
+        return load_on_rank0(name_or_path, self.env, loads=self.mesh.rank == 0)
 
     def wrap(self, model):
         from minidist.parallel.fsdp import FullyShardedDataParallel
 
+        model = self.cut_layers(model)  # --tp_size: slices, on the meta device where nothing was read
         classes = wrap_policy_classes(model) if self.options.layer_wrap_policy else ()
         return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group,
                                         self.mesh.replicate_group, self.options.cpu_offload)  # HSDP: the copies
+
+    def clip_grad_norm_(self, model, max_norm):
+        if not self.tensor_parallel:
+            return super().clip_grad_norm_(model, max_norm)
+        from minidist.parallel.tensor import whole
+
+        pieces = []  # each unit's gradient shard, and where in it the norms' (every slice's alike) lie
+        for unit in model.units:
+            if unit.flat_param.grad is not None:
+                layout, shard = unit.layout, unit.layout.shard_slice
+                params = [(name, layout.offsets[k], layout.shapes[k].numel()) for _, _, name, k in unit.slots]
+                pieces.append((unit.flat_param.grad, whole.replicated_ranges(params, shard.start, shard.stop,
+                                                                             self._split)))
+        return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group, self.mesh.shard_group)
 
 
 class TorchFSDP(Strategy):
@@ -330,11 +414,12 @@ class TorchFSDP(Strategy):
         return state if self.env.is_main else None
 
 
-def load_on_rank0(name_or_path: str, env) -> nn.Module:
+def load_on_rank0(name_or_path: str, env, loads: bool | None = None) -> nn.Module:
     """The model as both FSDPs load it: rank 0 reads the weights (`from_pretrained`, fp32, on the
     CPU: 27 GB for CodeLlama-7b), every other rank builds the same model on the meta device and
     opens no weights file. A node then holds the weights once, not once per rank (4 x 27 GB).
-    `wrap` sends each rank its shards from rank 0's copy.
+    `wrap` sends each rank its shards from rank 0's copy. `loads` says which ranks read (default:
+    rank 0 alone; tensor parallelism: one per slice).
 
     Reading 7B can outlast the process group's timeout (600 s), which the others would spend
     inside wrap's first collective. So all wait for rank 0 here, on a CPU barrier with an hour's
@@ -342,7 +427,8 @@ def load_on_rank0(name_or_path: str, env) -> nn.Module:
     from minidist.hf import models
     from minidist.runtime.distributed import wait_for_rank0
 
-    model = models.load_model(name_or_path) if env.rank == 0 else models.build_on_meta(name_or_path)
+    loads = env.rank == 0 if loads is None else loads
+    model = models.load_model(name_or_path) if loads else models.build_on_meta(name_or_path)
     wait_for_rank0()
     return model
 

@@ -57,6 +57,13 @@ SPLITS = [  # (implementation, strategy, world size, batch per device, accumulat
     ("minidist", "zero1", 2, 2, 1, ["--bucket_cap_mb", "0.5"]),
     ("minidist", "zero2", 2, 1, 2, ["--gradient_checkpointing", "--bucket_cap_mb", "0.5"]),
     ("minidist", "fsdp", 2, 1, 2, ["--gradient_checkpointing"]),
+    # Tensor parallelism (lesson 11): each layer cut over --tp_size ranks that see the same batch, the
+    # data-parallel strategy over the rest (world / tp ranks), batch per device counted per data-parallel rank.
+    ("minidist", "ddp", 2, 4, 1, ["--tp_size", "2"]),
+    ("minidist", "ddp", 2, 2, 2, ["--tp_size", "2", "--sequence_parallel"]),
+    ("minidist", "ddp", 4, 4, 1, ["--tp_size", "4", "--sequence_parallel"]),
+    ("minidist", "fsdp", 4, 2, 1, ["--tp_size", "2", "--gradient_checkpointing"]),
+    ("minidist", "fsdp", 4, 1, 2, ["--tp_size", "2", "--sequence_parallel"]),
 ]
 
 
@@ -125,6 +132,8 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
     parameters = sum(t.numel() for t in result["parameters"].values())
     if impl == "torch":
         assert [r["comm_bytes"] for r in records] == [None] * STEPS
+    elif "--tp_size" in extra:  # activations too: counted exactly in tests/parallel/test_tensor_bytes.py
+        assert all(r["comm_bytes"] > 0 for r in records)
     elif strategy != "fsdp":
         for r in records:
             assert 0 <= r["comm_bytes"] - 2 * parameters * (world - 1) / world * 4 < 2 * 4 * world * 8

@@ -72,12 +72,13 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
-        y = (ops.reduce_scatter_sequence if self.sequence_parallel else ops.reduce_from_tp)(partial, self.group)
+        cut = self.sequence_parallel and self.training  # eval mode: no sequence parallelism (llama.EnterBlock)
+        y = (ops.reduce_scatter_sequence if cut else ops.reduce_from_tp)(partial, self.group)
         if self.bias is None:
             return y
         # Under sequence parallelism each rank adds the bias to its own chunk, so its gradient here
         # is this chunk's share: f sums the shares over the ranks, as every other rank's chunk used it too.
-        return y + (ops.copy_to_tp(self.bias, self.group) if self.sequence_parallel else self.bias)
+        return y + (ops.copy_to_tp(self.bias, self.group) if cut else self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank's), out_features={self.out_features}, "

@@ -37,23 +37,37 @@ from minidist.parallel.tensor import ops
 from minidist.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
 from minidist.parallel.tensor.vocab import VocabParallelEmbedding, VocabParallelHead, padded_vocab_size
 
+SPLIT = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)  # what holds slices
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class EnterBlock:
     """A forward pre-hook: a block's input through f (identity forward, all-reduce backward), or
-    under sequence parallelism through an all-gather of the sequence (reduce-scatter backward).
-    The input is the first positional argument, or `hidden_states` (HF passes attention's so)."""
+    under sequence parallelism through an all-gather of the sequence (reduce-scatter backward);
+    with `split`, into the sequence-parallel region (`ops.split_sequence`). The input is the first
+    positional argument, or `hidden_states` (HF passes attention's so).
 
-    def __init__(self, group, sequence_parallel: bool, op=None):
-        self.group = group
-        self.op = op or (ops.gather_sequence if sequence_parallel else ops.copy_to_tp)
+    In eval mode sequence parallelism steps aside: generation feeds one token at a time, which
+    cannot be cut along the sequence. Nothing is split, the blocks' exits all-reduce instead of
+    reduce-scattering (`RowParallelLinear`), and the values are the same."""
+
+    def __init__(self, group, sequence_parallel: bool, split: bool = False):
+        self.group, self.sequence_parallel, self.split = group, sequence_parallel, split
+
+    def op(self, training: bool):
+        if self.split:
+            return ops.split_sequence if training else None
+        return ops.gather_sequence if self.sequence_parallel and training else ops.copy_to_tp
 
     def __call__(self, module, args, kwargs):
+        op = self.op(module.training)
+        if op is None:
+            return args, kwargs
         if args:
-            return (self.op(args[0], self.group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self.op(kwargs["hidden_states"], self.group)}
+            return (op(args[0], self.group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": op(kwargs["hidden_states"], self.group)}
 
 
 class SequenceParallelRMSNorm(nn.Module):
@@ -116,10 +130,28 @@ def parallelize_llama(model: nn.Module, group, sequence_parallel: bool = False) 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.lm_head.register_forward_pre_hook(enter, with_kwargs=True)
     if sequence_parallel:
-        model.model.layers[0].register_forward_pre_hook(EnterBlock(group, True, ops.split_sequence),
-                                                        with_kwargs=True)
+        model.model.layers[0].register_forward_pre_hook(EnterBlock(group, True, split=True), with_kwargs=True)
         model.model.norm = SequenceParallelRMSNorm(model.model.norm, group)
     vocab, padded = model.config.vocab_size, padded_vocab_size(model.config.vocab_size, tp)
     if padded == vocab:
         return []
     return [f"vocabulary padded from {vocab:,} to {padded:,} tokens, so that {tp} ranks get equal slices"]
+
+
+def split_parameters(model: nn.Module) -> dict[str, tuple[int, int | None]]:
+    """Every parameter of a cut model that holds a slice: its name, the dimension it is cut along,
+    and the real size of that dimension when the last slices are padding (the vocabulary), else
+    None. The others (the norms; a row-parallel bias) are the same on every rank."""
+    cut = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, SPLIT):
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, (VocabParallelEmbedding, VocabParallelHead)):
+            real = module.num_embeddings if isinstance(module, VocabParallelEmbedding) else module.vocab_size
+            cut[prefix + "weight"] = (0, real)
+        elif isinstance(module, ColumnParallelLinear):
+            cut.update({prefix + name: (0, None) for name, p in module.named_parameters() if p is not None})
+        else:
+            cut[prefix + "weight"] = (1, None)  # a row-parallel bias is added after the sum: whole
+    return cut

@@ -74,7 +74,10 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """The output layer, column-parallel over the vocabulary: this rank's slice of the logits,
     b x s x V/n (`linear.ColumnParallelLinear`'s arithmetic, on padded rows). The logits of
-    padding rows are zeros here; the loss leaves them out."""
+    padding rows are zeros here; the loss leaves them out.
+
+    In eval mode the slices are gathered into the whole vocabulary's logits, padding cut off, on
+    every rank: generation picks the next token from all of them. Training never needs them."""
 
     def __init__(self, head: nn.Linear, group):
         super().__init__()
@@ -86,7 +89,14 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(_my_rows(head.weight.data, group), head.weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        logits = F.linear(x, self.weight)
+        return logits if self.training else self._whole_vocabulary(logits)
+
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        n = dist.get_world_size(self.group)
+        gathered = logits.new_empty((n, *logits.shape))
+        comm.all_gather(gathered.view(-1), logits.contiguous().view(-1), group=self.group)
+        return torch.cat(gathered.unbind(0), dim=-1)[..., :self.vocab_size]
 
     def extra_repr(self) -> str:
         return f"vocabulary {self.vocab_size}, this rank's tokens [{self.start}, {self.end})"
