@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from minidist.parallel import comm
 
-SPLIT_KEYS = ("comm_bytes", "comm_bytes_within_node", "comm_bytes_across_nodes", "comm_bytes_across_nodes_by_rank")
+SPLIT_KEYS = ("comm_bytes", "comm_bytes_within_node", "comm_bytes_across_nodes", "comm_bytes_across_nodes_by_rank",
+              "comm_bytes_tensor_parallel")
 
 
 def crosses_nodes(group=None) -> bool:
@@ -49,19 +50,24 @@ def crosses_nodes(group=None) -> bool:
 
 
 class AcrossNodes:
-    """Subscribed to `comm.counter`: its count (`sent`, exact, the same as the counter's own) and
-    the part of it whose ring link crosses nodes (`across`)."""
+    """Subscribed to `comm.counter`: its count (`sent`, exact, the same as the counter's own), the
+    part of it whose ring link crosses nodes (`across`), and the part sent over the
+    tensor-parallel group (`tensor`: activations, lesson 11; the rest is the data-parallel
+    strategy's gradients and weights), once the strategy names that group (`tensor_group`)."""
 
     def __init__(self):
+        self.tensor_group = None
         self.reset()
 
     def reset(self) -> None:
-        self.sent = self.across = Fraction(0)
+        self.sent = self.across = self.tensor = Fraction(0)
 
     def add(self, sent: Fraction, group) -> None:
         self.sent += sent
         if crosses_nodes(group):
             self.across += sent
+        if group is not None and group is self.tensor_group:
+            self.tensor += sent
 
 
 split = AcrossNodes()  # one per process, as `comm.counter`
@@ -73,15 +79,18 @@ def take_split(group, device) -> dict:
     to the total), and what every rank of `group` sent across nodes, by rank
     (`comm_bytes_across_nodes_by_rank`): under this module's model, one ring in rank order, the
     ring crosses nodes on a few of its ranks only (NCCL's rings share a node's crossing among its
-    NICs instead: `bytes_per_nic`). Every rank must call it (an all-gather of one number, not counted)."""
-    sent, crossing = split.sent, split.across
+    NICs instead: `bytes_per_nic`). With tensor parallelism, the part of the total sent over its group
+    (`comm_bytes_tensor_parallel`; None without). Every rank must call it (an all-gather of one
+    number, not counted)."""
+    sent, crossing, tensor = split.sent, split.across, split.tensor
     comm.counter.take()  # the count starts again from zero, and so does `split`
     mine = torch.tensor([float(crossing)], dtype=torch.float64, device=device)
     by_rank = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(by_rank, mine, group=group)
     return {"comm_bytes": float(sent), "comm_bytes_within_node": float(sent - crossing),
             "comm_bytes_across_nodes": float(crossing),
-            "comm_bytes_across_nodes_by_rank": torch.cat(by_rank).tolist()}  # read once, not rank by rank
+            "comm_bytes_across_nodes_by_rank": torch.cat(by_rank).tolist(),  # read once, not rank by rank
+            "comm_bytes_tensor_parallel": float(tensor) if split.tensor_group is not None else None}
 
 
 def bytes_leaving_a_node(strategy: str, params: int, root_params: int, nodes: int, per_node: int,

@@ -58,6 +58,7 @@ class Strategy:
             hybrid = self.options.strategy == "hsdp"
             self._mesh = data_parallel_mesh(self.options.hsdp_shard_size or self.env.local_world_size if hybrid else None,
                                             self.options.tp_size)
+            across_nodes.split.tensor_group = self._mesh.tp_group  # metrics.jsonl: tensor parallelism's bytes apart
         return self._mesh
 
     # ------------------------------------------------------------------ tensor parallelism (lesson 11)
