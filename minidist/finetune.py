@@ -274,6 +274,7 @@ def _check(args, env, session: Session):
         lora_options = lora.LoraOptions.from_args(args)  # no --lora_rank: a full fine-tune
         args.model = models.resolve(args.model)
         model_folder.check_folder(args.model, max_seq_length=args.max_seq_length)  # tokenizer, weights, config
+        strategy.check_model(args.model)  # --tp_size: can its heads and MLP be cut that many ways?
         lora.check(lora_options, args.model)  # its flags, and target modules this model has
         tokenizer = models.load_tokenizer(args.model)
         texts = jsonl.load_games(args.data)
@@ -283,10 +284,10 @@ def _check(args, env, session: Session):
                 print(f"--illegal_games skip: skipped {skipped} of {skipped + len(texts)} games of {args.data} "
                       f"(not legal chess)")
         sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
-        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
         if args.tp_size > 1 and (args.save_steps or args.resume):
             raise ValueError("checkpoints of a tensor-parallel run (--tp_size) are not built yet: drop --save_steps "
                              "and --resume (the final model is written)")
+        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
         if args.illegal_games == "refuse":  # the games the steps draw, as the sampler deals them
             used = {i for step in range(args.max_steps) for i in sampler.global_batch(step)}
             legal_moves.check_training_games(texts, args.data, "refuse", used)

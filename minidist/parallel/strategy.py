@@ -81,6 +81,15 @@ class Strategy:
             self._vocabulary = model.lm_head.start, model.lm_head.vocab_size  # this rank's first token id, the real size
         return model
 
+    def check_model(self, name_or_path: str) -> None:
+        """Raise ValueError, in one sentence, if the model cannot be cut over --tp_size ranks (its
+        heads, its MLP, its layers' names), before anything is loaded: built on the meta device."""
+        if self.tensor_parallel:
+            from minidist.hf import models
+            from minidist.parallel.tensor.llama import check_splittable
+
+            check_splittable(models.build_on_meta(name_or_path), self.options.tp_size)
+
     @property
     def sequence_multiple(self) -> int:
         """Batches are padded to a multiple of this many tokens: sequence parallelism cuts the

@@ -124,6 +124,16 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--output_dir", ""], "error: --output_dir must name a folder, got ''"),
     (["--no_fsdp", "--strategy", "fsdp"], "error: --no_fsdp means --strategy ddp: give one or the other, not "
                                           "--strategy fsdp with it"),
+    # Tensor parallelism (lesson 11): sizes that do not cut the model or the ranks evenly.
+    (["--tp_size", "0"], "error: --tp_size must be at least 1, got 0"),
+    (["--sequence_parallel"], "error: --sequence_parallel cuts the sequence over the tensor-parallel ranks: it needs "
+                              "--tp_size 2 or more"),
+    (["--impl", "minidist", "--strategy", "zero2", "--tp_size", "2"],
+     "error: --tp_size composes with minidist/ddp or minidist/fsdp over the data-parallel ranks, not minidist/zero2"),
+    (["--impl", "minidist", "--strategy", "ddp", "--tp_size", "3"],
+     "error: --tp_size 3 does not divide the model's 4 attention heads: each rank must get an equal share"),
+    (["--impl", "minidist", "--strategy", "ddp", "--tp_size", "2"],
+     "error: --tp_size 2 must divide the 1 ranks into equal tensor-parallel groups"),
 ]
 
 
@@ -154,6 +164,14 @@ def test_finetune_a_sequence_longer_than_the_context(gpt2_32, tmp_path, capsys):
     line = said(finetune.main, ["--model", gpt2_32, "--max_seq_length", "64", "--output_dir", str(tmp_path),
                                 "--eval_prefixes", "0", "--max_steps", "1", "--no_save"], capsys)
     assert f"error: --max_seq_length 64 is longer than the 32 positions of '{gpt2_32}'" in line
+
+
+def test_tensor_parallelism_refuses_a_model_without_llama_projections(gpt2_32, tmp_path, capsys):
+    line = said(finetune.main, ["--model", gpt2_32, "--impl", "minidist", "--strategy", "ddp", "--tp_size", "2",
+                                "--max_seq_length", "32", "--output_dir", str(tmp_path), "--eval_prefixes", "0",
+                                "--max_steps", "1", "--no_save"], capsys)
+    assert ("error: tensor parallelism splits Llama-style decoder layers (self_attn.q_proj/k_proj/v_proj/o_proj, "
+            "mlp.gate_proj/up_proj/down_proj), which GPT2LMHeadModel does not have") in line
 
 
 EVALUATE = [
