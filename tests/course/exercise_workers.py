@@ -44,6 +44,7 @@ EXERCISES = {
     "03_accumulation": (2, "train_step with 3 micro-batches on 2 gloo ranks", ("train_step",)),
     "04_zero2_step": (2, "ZeRO-2's step on 2 gloo ranks, fp32 and bf16", ("ShardedOptimizer",)),
     "05_fsdp_gather_free": (2, "FSDP's gather and free on 2 gloo ranks", ("Unit",)),
+    "11_tensor_parallel": (2, "the backward of tensor parallelism's f on 2 gloo ranks", ("CopyToTensorParallel",)),
 }
 
 
@@ -69,7 +70,7 @@ def exercise_of(path: Path) -> str:
     for name in EXERCISES:
         if path.name.startswith(name[:3]):
             return name
-    raise CheckError(f"{path}: no EXERCISE = \"...\" line and no lesson number (01_ to 05_) in its name: keep the "
+    raise CheckError(f"{path}: no EXERCISE = \"...\" line and no lesson number (01_ to 05_, 11_) in its name: keep the "
                      "skeleton's EXERCISE line")
 
 
@@ -163,6 +164,9 @@ def _own(name: str):
     if name == "ShardedOptimizer":
         from minidist.parallel.zero import ShardedOptimizer
         return ShardedOptimizer
+    if name == "CopyToTensorParallel":
+        from minidist.parallel.tensor.ops import CopyToTensorParallel
+        return CopyToTensorParallel
     from minidist.parallel.fsdp import Unit
     return Unit
 
@@ -735,8 +739,61 @@ def check_fsdp_gather_free(load_solution) -> list[str]:
     return problems
 
 
+# ---------------------------------------------------------------------------------- 11: f's backward
+def check_copy_to_tp_backward(load_solution) -> list[str]:
+    """A linear layer, then f, then a column-parallel linear, GELU and a row-parallel one (g at its
+    exit), in float64 on every rank, against the same network whole in one process."""
+    from minidist.parallel.tensor import ops
+    from minidist.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+
+    n = dist.get_world_size()
+    torch.manual_seed(0)  # the same weights and batch on every rank, as tensor parallelism has them
+    before, column, row = nn.Linear(6, 8).double(), nn.Linear(8, 12).double(), nn.Linear(12, 8).double()
+    x, w = torch.randn(3, 5, 6, dtype=torch.float64), torch.randn(3, 5, 8, dtype=torch.float64)
+    h = before(x)
+    expected = torch.autograd.grad((row(F.gelu(column(h))) * w).sum(), h)[0]  # one process, the whole block
+    column, row = ColumnParallelLinear(column, None), RowParallelLinear(row, None)
+    h = before(x)
+    # This rank's term alone, without the sum (f's backward as g's, the identity): to name that mistake.
+    local = torch.autograd.grad((F.linear(F.gelu(column(h)), row.weight) * w).sum(), h)[0]
+    h.retain_grad()
+    with mock.patch.object(ops, "CopyToTensorParallel", load_solution().CopyToTensorParallel):
+        out = row(F.gelu(column(ops.copy_to_tp(h, None))))
+        comm.counter.reset()
+        (out * w).sum().backward()
+        sent = comm.counter.take()
+    problems = []
+    if h.grad is None or not _close(h.grad, expected, rtol=1e-9, atol=1e-12):
+        problems.append(_f_gradient_problem(h.grad, expected, local, n))
+    one = 2 * (n - 1) / n * h.numel() * h.element_size()  # one all-reduce of the block's input gradient
+    if abs(sent - one) > 0.5:
+        problems.append(f"backward sent {sent:.0f} bytes through minidist.parallel.comm; f's backward is one all-reduce "
+                        f"of the block's input gradient, 2(N-1)/N x {h.numel() * h.element_size()} = {one:.0f} bytes "
+                        "(the block's exit, g, sends nothing in backward). Hint: comm.all_reduce(copy, group=ctx.group), "
+                        "once: torch.distributed's own call sums too, but no byte count sees it")
+    return problems
+
+
+def _f_gradient_problem(got, expected, local, n) -> str:
+    if got is None:
+        return "the block's input has no gradient. Hint: backward returns (the gradient of x, None)"
+    where = _first_difference(got, expected)
+    s = _ratio(got, expected)
+    if _close(got, local, rtol=1e-9, atol=1e-12):
+        return (f"the block's input gradient is only this rank's part of the sum ({where}). Hint: every rank's "
+                "slice of the block used x, so dL/dx sums their terms over the ranks: all-reduce it (returning "
+                "grad unchanged is g's backward, not f's)")
+    if s is not None and abs(s * n - 1) < 1e-6:
+        return (f"the block's input gradient is 1/{n} of the right one ({where}). Hint: sum, not average: the ranks "
+                "hold different terms of one sum, not copies of one gradient as in DDP")
+    if s is not None:
+        return f"the block's input gradient is {s:.4g} x the right one ({where}). Hint: one all-reduce, a sum"
+    return f"the block's input gradient is wrong ({where}). Hint: the sum over the ranks of `grad`, the same on each"
+
+
 CHECKS = {"01_ring_all_reduce": check_ring, "02_bucket_hook": check_bucket_hook, "03_accumulation": check_accumulation,
-          "04_zero2_step": check_zero2_step, "05_fsdp_gather_free": check_fsdp_gather_free}
+          "04_zero2_step": check_zero2_step, "05_fsdp_gather_free": check_fsdp_gather_free,
+          "11_tensor_parallel": check_copy_to_tp_backward}
 
 # (text in the exception, the hint): mistakes whose first sign is an exception, in every exercise
 ANY_EXERCISE = [("Timed out", "a rank waited a minute for a peer that never came: a send without the neighbour's "
@@ -744,6 +801,8 @@ ANY_EXERCISE = [("Timed out", "a rank waited a minute for a peer that never came
                 ("Connection closed by peer", "another rank stopped first: its own message, above, is the cause")]
 # and per exercise
 HINTS = {
+    "11_tensor_parallel": [("incorrect number of gradients", ("backward returns one gradient per input of forward: "
+                                                              "(the gradient of x, None for the group)"))],
     "02_bucket_hook": [("'NoneType' object has no attribute 'wait'", "a bucket had no handle when backward ended: "
                         "launch every bucket's all-reduce with async_op=True when it is full, and keep the handle "
                         "in bucket.handle"),

@@ -276,6 +276,74 @@ class Unit(fsdp.Unit):
             self.fsdp._count_unsharded(-1)
 """, ["minidist's FSDP sends", "nothing unless the unit is sharded"]),
     },
+    "11_tensor_parallel": {
+        # g's backward in f's place: the identity, each rank keeps only its own slice's term.
+        "identity": ("""
+import torch
+
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+""", ["only this rank's part of the sum", "all-reduce it", "sent 0 bytes"]),
+        # Averages, as DDP does with its gradients.
+        "average": ("""
+import torch
+import torch.distributed as dist
+from minidist.parallel import comm
+
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        comm.all_reduce(out, group=ctx.group)
+        return out / dist.get_world_size(ctx.group), None
+""", ["1/2 of the right one", "sum, not average"]),
+        # The right sum, past minidist's counter: the lesson's bytes would not see it.
+        "uncounted": ("""
+import torch
+import torch.distributed as dist
+
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+""", ["sent 0 bytes through minidist.parallel.comm", "no byte count sees it"]),
+        # One gradient for two inputs: autograd wants one per argument of forward.
+        "one_gradient": ("""
+import torch
+from minidist.parallel import comm
+
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        comm.all_reduce(out, group=ctx.group)
+        return out
+""", ["incorrect number of gradients", "None for the group"]),
+    },
 }
 
 
