@@ -72,6 +72,9 @@ BF16 = [  # (implementation, strategy, extra flags): 2 ranks, 2 sequences per de
     ("torch", "fsdp", []),
     # The hand-written DDP under autocast, summing its gradients in bf16: half the bytes on the wire.
     ("minidist", "ddp", ["--reduce_dtype", "bf16"]),
+    # Tensor parallelism in bf16: one data-parallel rank of 2 tensor-parallel ones, so 4 sequences each.
+    ("minidist", "ddp", ["--tp_size", "2", "--batch_size_per_device", "4"]),
+    ("minidist", "fsdp", ["--tp_size", "2", "--sequence_parallel", "--batch_size_per_device", "4"]),
 ]
 
 
