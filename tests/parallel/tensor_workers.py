@@ -6,6 +6,7 @@ A "sabotage" takes one operator's collective away (its local stand-in instead), 
 parity the test asserts depends on it."""
 
 import copy
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -76,35 +77,71 @@ class _NoCollectives:
         return None
 
 
-def _replace(cls, method, fn):
-    setattr(cls, method, staticmethod(fn))
+def _split_backward_without_gather(ctx, g):
+    """This rank's chunk's gradient in place, zeros where the other ranks' chunks go."""
+    n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+    return torch.cat([g if r == rank else torch.zeros_like(g) for r in range(n)], dim=ops.SEQUENCE_DIM), None
 
 
-SABOTAGE = {  # one operator's collective in one direction taken away, everything else intact
-    "f backward": lambda: _replace(ops.CopyToTensorParallel, "backward", lambda ctx, g: (g, None)),
-    "g forward": lambda: _replace(ops.ReduceFromTensorParallel, "forward", lambda ctx, x, group: x.view_as(x)),
-    "vocabulary loss": lambda: setattr(vocab, "comm", _NoCollectives),
-    "gather forward": lambda: _replace(ops.GatherSequence, "forward",
-                                       lambda ctx, x, group: (setattr(ctx, "group", group), _own_chunk_repeated(x, group))[1]),
-    "gather backward": lambda: _replace(ops.GatherSequence, "backward",
-                                        lambda ctx, g: (_own_chunk(g, ctx.group), None)),
-    "reduce-scatter forward": lambda: _replace(ops.ReduceScatterSequence, "forward",
-                                               lambda ctx, x, group: (setattr(ctx, "group", group), _own_chunk(x, group))[1]),
-    "reduce-scatter backward": lambda: _replace(ops.ReduceScatterSequence, "backward",
-                                                lambda ctx, g: (_own_chunk_repeated(g, ctx.group), None)),
-    "split backward": lambda: _replace(ops.SplitSequence, "backward",  # this rank's chunk's gradient, zeros elsewhere
-                                       lambda ctx, g: (torch.cat([g if r == dist.get_rank(ctx.group) else torch.zeros_like(g)
-                                                                  for r in range(dist.get_world_size(ctx.group))],
-                                                                 dim=ops.SEQUENCE_DIM), None)),
+def _keeping_group(fn):
+    """A forward stand-in that records the group for its backward, as the real one does."""
+    def forward(ctx, x, group):
+        ctx.group = group
+        return fn(x, group)
+    return forward
+
+
+# One operator's collective in one direction taken away, everything else intact: (owner, attribute,
+# stand-in). Autograd functions' methods are static.
+SABOTAGE = {
+    "f backward": (ops.CopyToTensorParallel, "backward", staticmethod(lambda ctx, g: (g, None))),
+    "g forward": (ops.ReduceFromTensorParallel, "forward", staticmethod(lambda ctx, x, group: x.view_as(x))),
+    "vocabulary loss": (vocab, "comm", _NoCollectives),
+    "gather forward": (ops.GatherSequence, "forward", staticmethod(_keeping_group(_own_chunk_repeated))),
+    "gather backward": (ops.GatherSequence, "backward", staticmethod(lambda ctx, g: (_own_chunk(g, ctx.group), None))),
+    "reduce-scatter forward": (ops.ReduceScatterSequence, "forward", staticmethod(_keeping_group(_own_chunk))),
+    "reduce-scatter backward": (ops.ReduceScatterSequence, "backward",
+                                staticmethod(lambda ctx, g: (_own_chunk_repeated(g, ctx.group), None))),
+    "split backward": (ops.SplitSequence, "backward", staticmethod(_split_backward_without_gather)),
 }
+
+
+@contextmanager
+def sabotaged(name: str | None):
+    """Inside, the operator `name` runs without its collective (nothing changes for None)."""
+    if name is None:
+        yield
+        return
+    owner, attribute, stand_in = SABOTAGE[name]
+    original = owner.__dict__[attribute]
+    setattr(owner, attribute, stand_in)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)
+
+
+def cases(arguments: list[dict]) -> list[dict]:
+    """`parity(**a)` for each of `arguments`, in this one launch (a launch costs more than a case);
+    a case that refuses (ValueError) gives its message instead."""
+    results = []
+    for a in arguments:
+        try:
+            results.append(parity(**a))
+        except ValueError as error:
+            results.append({"refused": str(error)})
+    return results
 
 
 def parity(tp_args: dict, steps: int = 3, sabotage: str | None = None) -> dict:
     """`steps` AdamW steps of the whole model here and of its tensor-parallel copy over every rank:
     the losses of both, and the largest relative difference of every parameter (this rank's slice)
     after them."""
-    if sabotage:
-        SABOTAGE[sabotage]()
+    with sabotaged(sabotage):
+        return _parity(dict(tp_args), steps)
+
+
+def _parity(tp_args: dict, steps: int) -> dict:
     group = dist.group.WORLD
     sequence_parallel = tp_args.pop("sequence_parallel", False)
     reference = tiny_llama(**tp_args)
@@ -129,12 +166,3 @@ def parity(tp_args: dict, steps: int = 3, sabotage: str | None = None) -> dict:
         worst[name] = ((param.detach() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
     return {"losses": losses, "worst": worst, "said": said,
             "shapes": {name: tuple(p.shape) for name, p in model.named_parameters()}}
-
-
-def refused(tp_args: dict) -> str:
-    """The one-sentence error of splitting this model over every rank."""
-    try:
-        llama.parallelize_llama(tiny_llama(**tp_args), dist.group.WORLD)
-    except ValueError as error:
-        return str(error)
-    return ""
