@@ -4,7 +4,7 @@
   (the model is built on the meta device: no weights are read).
 - `moments.py`: the moments of a step where one rank's memory peaks, walked per strategy;
   `hybrid.py`: HSDP's terms; `lora_terms.py`: LoRA's; `offload_split.py`: `--cpu_offload`'s
-  device and host columns.
+  device and host columns; `tensor_parallel.py`: tensor and sequence parallelism's (a rank's slice).
 - `trace.py`: what a model saves for backward, traced on fake tensors, per layer (`llama_layer.py`:
   the same for a Llama layer, derived by hand); `cache.py` keeps traces on disk.
 - `measure.py`: what the training loop records each step, term by term, on every rank, and the

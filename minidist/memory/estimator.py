@@ -42,6 +42,10 @@ only each layer's input (hidden x 2 or 4 bytes per token, as the residual stream
 fp32; for an encoder-decoder, counted at the source's length for every layer) and recomputes
 one layer at a time in backward, so one layer's activations come back for a moment.
 
+**Tensor and sequence parallelism** (`--tp_size`, `--sequence_parallel`): a rank holds a slice of
+every layer, estimated as the model of a smaller config, over the data-parallel ranks that hold
+the same slice (`tensor_parallel.py`, `per_rank`).
+
 **The peak** is the most that is alive at one moment: `moments.py` walks each strategy's step
 (the end of forward, backward as it reduces, the optimizer step) and `peak_moment` says where it
 falls and what is alive then; the terms above are each one's own size, not all alive at once.
@@ -64,7 +68,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.memory import cache, hybrid, lora_terms, moments, offload_split, trace
+from minidist.memory import cache, hybrid, lora_terms, moments, offload_split, tensor_parallel, trace
 from minidist.parallel.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
@@ -99,6 +103,7 @@ class Shape:
     config_dtype_bytes: int  # the dtype the config names (`torch_dtype`), in which transformers builds it
     tied_params: int = 0  # an output layer that is the input embedding: its gradient comes twice
     is_encoder_decoder: bool = False  # T5, BART: estimated whole; the loop does not train them
+    tp_size: int = 1  # > 1: the slice of the model one of tp_size ranks holds (`rank_shape`)
     config: object = field(default=None, repr=False, compare=False)  # what `trace` runs
 
 
@@ -119,7 +124,11 @@ def load_config(name_or_path: str):
 
 def model_shape(name_or_path: str) -> Shape:
     """Build the model on the meta device and count what the estimate needs."""
-    config = load_config(name_or_path)
+    return config_shape(load_config(name_or_path), name_or_path)
+
+
+def config_shape(config, name: str, tp_size: int = 1) -> Shape:
+    """The Shape of the model `config` describes, built on the meta device."""
     with torch.device("meta"):
         model = trace.model_class(config).from_config(config)
     params = list(model.parameters())  # each tensor once: a tied embedding is one parameter
@@ -130,7 +139,7 @@ def model_shape(name_or_path: str) -> Shape:
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     hidden, heads = config.hidden_size, config.num_attention_heads
     return Shape(
-        name=name_or_path, architecture=type(model).__name__, model_type=config.model_type,
+        name=name, architecture=type(model).__name__, model_type=config.model_type,
         num_params=num_params,
         param_rows=tuple((param.shape[0] if param.dim() else 1, param.numel()) for param in params),
         num_layers=len(counts), hidden_size=hidden,
@@ -145,8 +154,31 @@ def model_shape(name_or_path: str) -> Shape:
         base_params=sum(param.numel() for param in model.base_model.parameters()),
         config_dtype_bytes=params[0].element_size(),
         tied_params=head.weight.numel() if tied else 0,
-        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)), config=config,
+        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)), tp_size=tp_size, config=config,
     )
+
+
+def rank_shape(shape: Shape, tp_size: int) -> Shape:
+    """What one of `tp_size` tensor-parallel ranks holds, as a model of its own
+    (`tensor_parallel.split_config`); the shape itself where there is nothing to cut. Cached by
+    the config (two Shapes that differ only in it, say in the attention, compare equal)."""
+    if tp_size == shape.tp_size:
+        return shape
+    return _rank_shape(shape.config.to_json_string(use_diff=False), type(shape.config), shape.name, tp_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_shape(config_json: str, config_class, name: str, tp_size: int) -> Shape:
+    config = config_class.from_dict(json.loads(config_json))
+    return config_shape(tensor_parallel.split_config(config, tp_size), name, tp_size)
+
+
+def per_rank(shape: Shape, setup: "Setup") -> tuple[Shape, "Setup"]:
+    """Under tensor parallelism, the slice one rank holds and the data parallelism over the ranks
+    that hold the same slice (`tensor_parallel.py`); anything else unchanged."""
+    if setup.options.tp_size == 1 or shape.tp_size == setup.options.tp_size:
+        return shape, setup
+    return rank_shape(shape, setup.options.tp_size), tensor_parallel.data_parallel(setup)
 
 
 @dataclass(frozen=True)
@@ -255,31 +287,34 @@ def traced(shape: Shape, mode: str, seq: int, padded: bool, batch: int, target: 
         if isinstance(at_one, list):
             return [at(x1, x2) for x1, x2 in zip(at_one, at_two)]
         return at_one + (batch - 1) * (at_two - at_one)
-    terms = ("layers", "shared", "outside", "weight_copies", "layer_copies")
+    terms = ("layers", "shared", "outside", "weight_copies", "layer_copies", "layer_norms", "outside_norms")
     return {**{term: at(getattr(one, term), getattr(two, term)) for term in terms},
             "types": one.types, "attention": one.attn_implementation}
 
 
 def activations(shape: Shape, setup: Setup) -> dict:
     """Activation memory of one micro-batch: what forward saves, and what lives for a moment."""
+    shape, tp = rank_shape(shape, setup.options.tp_size), setup.options.tp_size  # a slice of each layer
     mode, batch, seq = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
     residual_bytes = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
     tokens = batch * seq
     traced_terms = traced(shape, mode, seq, setup.padded, batch, setup.target_length, lora_terms.trace_key(setup))
+    sp = setup.options.sequence_parallel  # the norms, and a checkpointed layer's input, on s / tp tokens
+    traced_terms = tensor_parallel.sequence_parallel(traced_terms, tp) if sp else traced_terms
     # What the logits cover: an encoder-decoder's targets, a decoder's every token.
     targets = batch * (setup.target_length or seq) if shape.is_encoder_decoder else tokens
     ckpt = setup.options.gradient_checkpointing
     layers, layer_copies = traced_terms["layers"], traced_terms["layer_copies"]
     # Checkpointing keeps each layer's input (its hidden states) and recomputes the rest in backward,
     # one layer at a time: that layer's activations, and under autocast its weight copies, again.
-    kept = [residual_bytes * shape.hidden_size * tokens] * len(layers) if ckpt else layers
+    kept = [residual_bytes * shape.hidden_size * tokens // (tp if sp else 1)] * len(layers) if ckpt else layers
     recompute = [saved + copies for saved, copies in zip(layers, layer_copies)] if ckpt else [0] * len(kept)
     copies = traced_terms["weight_copies"] - (sum(layer_copies) if ckpt else 0)
+    logits = tensor_parallel.logits(targets, shape) if tp > 1 else 8 * targets * shape.vocab_size  # `moments.py`
     return {"saved": sum(kept) + traced_terms["shared"] + traced_terms["outside"], "per_layer": max(layers, default=0),
             "weight_copies": copies, "kept_by_layer": kept, "layer": max(kept, default=0),
             "recompute_by_layer": recompute, "recompute": max(recompute, default=0),
-            "logits": 8 * targets * shape.vocab_size, "types": traced_terms["types"],
-            "attention": traced_terms["attention"]}
+            "logits": logits, "types": traced_terms["types"], "attention": traced_terms["attention"]}
 
 
 def buffers(shape: Shape, setup: Setup) -> dict:
@@ -296,6 +331,7 @@ def buffers(shape: Shape, setup: Setup) -> dict:
 def estimate(shape: Shape, setup: Setup) -> dict:
     """Every term of one rank's peak, and the peak."""
     check_setup(setup)
+    shape, setup = per_rank(shape, setup)  # tensor parallelism: one rank's slice, over the data-parallel ranks
     # HSDP: FSDP on one shard group of S ranks, plus the all-reduce across copies (`hybrid.py`).
     extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(shape, setup), setup), hybrid.as_fsdp(setup)
     states, acts, bufs = model_states(shape, setup), activations(shape, setup), buffers(shape, setup)
@@ -311,6 +347,7 @@ def estimate(shape: Shape, setup: Setup) -> dict:
 
 def peak_moment(shape: Shape, setup: Setup) -> tuple[str, dict]:
     """The moment of the step where the peak falls, and what is alive then (`moments.py`)."""
+    shape, setup = per_rank(shape, setup)
     extra, setup = hybrid.all_reduce_buffer(lora_terms.trained_shape(shape, setup), setup), hybrid.as_fsdp(setup)
     at = hybrid.add_all_reduce(moments.moments(lora_terms.trained_shape(shape, setup), setup,
                                                model_states(shape, setup), activations(shape, setup), shape), extra)

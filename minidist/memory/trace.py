@@ -67,6 +67,10 @@ class Trace:
     outside: int = 0  # saved by no layer: embeddings, final norm, output layer, loss
     weight_copies: int = 0  # autocast's bf16 copies of the weights
     layer_copies: list = field(default_factory=list)  # per decoder layer: the weight copies it made
+    # Of `layers` and `outside`: what only normalisation modules saved (a layer's norms, the final norm).
+    # Sequence parallelism cuts these along the sequence (`tensor_parallel.py`).
+    layer_norms: list = field(default_factory=list)
+    outside_norms: int = 0
     attn_implementation: str = ""
     storages: dict = field(default_factory=dict, repr=False)  # storage -> (bytes, owners)
 
@@ -111,12 +115,14 @@ def layer_type(layer) -> str:
 
 class SavedByLayer:
     """`with SavedByLayer(model) as seen:` records each storage autograd saves, its bytes and the
-    decoder layers (by index) that saved it; -1 for none. Works on real and fake tensors alike."""
+    decoder layers (by index) that saved it; -1 for none; and whether only normalisation modules
+    (a class named *Norm*) saved it. Works on real and fake tensors alike."""
 
     def __init__(self, model):
         self.model, self.layers = model, decoder_layers(model)
-        self.current = -1
-        self.storages = {}  # storage key -> [bytes, set of owners, is a weight copy]
+        self.norms = [m for m in model.modules() if "Norm" in type(m).__name__]
+        self.current, self.in_norm = -1, False
+        self.storages = {}  # storage key -> [bytes, set of owners, is a weight copy, saved in norms only]
         self.keep = []  # the saved storages stay alive while we hold them, so keys are not reused
         self._stack = ExitStack()
 
@@ -125,8 +131,9 @@ class SavedByLayer:
         if base.is_leaf and base.requires_grad or isinstance(base, torch.nn.Parameter):
             return tensor  # a parameter (trained or frozen: LoRA's base) or a view of one: a model state
         storage = tensor.untyped_storage()
-        entry = self.storages.setdefault(storage._cdata, [storage.nbytes(), set(), _is_weight_copy(base)])
+        entry = self.storages.setdefault(storage._cdata, [storage.nbytes(), set(), _is_weight_copy(base), True])
         entry[1].add(self.current)
+        entry[3] = entry[3] and self.in_norm
         self.keep.append(tensor)
         return tensor
 
@@ -134,6 +141,9 @@ class SavedByLayer:
         for i, layer in enumerate(self.layers):
             self._stack.callback(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "current", i)).remove)
             self._stack.callback(layer.register_forward_hook(lambda *_: setattr(self, "current", -1)).remove)
+        for norm in self.norms:
+            self._stack.callback(norm.register_forward_pre_hook(lambda *_: setattr(self, "in_norm", True)).remove)
+            self._stack.callback(norm.register_forward_hook(lambda *_: setattr(self, "in_norm", False)).remove)
         self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
         return self
 
@@ -143,20 +153,22 @@ class SavedByLayer:
     def result(self, attn_implementation: str = "") -> Trace:
         per_layer = [0] * len(self.layers)
         out = Trace(per_layer, [layer_type(m) for m in self.layers], attn_implementation=attn_implementation,
-                    layer_copies=[0] * len(self.layers))
-        for key, (nbytes, owners, copy) in self.storages.items():
+                    layer_copies=[0] * len(self.layers), layer_norms=[0] * len(self.layers))
+        for key, (nbytes, owners, is_copy, in_norms) in self.storages.items():
             layers = owners - {-1}
             out.storages[key] = (nbytes, owners)
-            if copy:
+            if is_copy:
                 out.weight_copies += nbytes
                 if len(layers) == 1 and -1 not in owners:  # a layer's own weight, cast inside it
                     out.layer_copies[next(iter(layers))] += nbytes
             elif len(layers) == 1 and -1 not in owners:
                 per_layer[next(iter(layers))] += nbytes
+                out.layer_norms[next(iter(layers))] += nbytes * in_norms
             elif layers:
                 out.shared += nbytes
             else:
                 out.outside += nbytes
+                out.outside_norms += nbytes * in_norms
         return out
 
 
