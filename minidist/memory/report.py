@@ -35,7 +35,8 @@ def others(s: Shape, setup: Setup, trace: bool = False) -> dict:
     size = s.base_params * s.config_dtype_bytes
     traced = (tracker.peak(s.name, setup) if trace else None) or {}
     if trace and not tracker.applies(setup):
-        traced = {"error": f"minidist's own {setup.strategy}: it traces DDP and PyTorch's FSDP"}
+        traced = {"error": "tensor parallelism: it traces one process's whole model" if setup.options.tp_size > 1
+                  else f"minidist's own {setup.strategy}: it traces DDP and PyTorch's FSDP"}
     return {"accelerate": (2 if setup.options.mixed_precision == "bf16" else 4) * size, "deepspeed": deepspeed,
             "memtracker": traced.get("peak"), "memtracker_split": traced}
 
@@ -98,7 +99,10 @@ def format_report(r: dict) -> str:
     u = r["setup"]
     lines = [f"{r['model']}: {r['architecture']}, {_size(r['num_params'], '').replace(' G', ' B')} parameters",
              f"({r['traced']})",
-             f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), {u['mixed_precision']}, batch "
+             f"{u['impl']}/{u['strategy']} on {u['world_size']} rank(s), "
+             + (f"tensor parallel over {u['tp_size']} of them, " if u["tp_size"] > 1 else "")
+             + ("sequence parallel, " if u["sequence_parallel"] else "")
+             + f"{u['mixed_precision']}, batch "
              f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
              + (f" > {u['target_length']} target tokens" if u["target_length"] else "")
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")

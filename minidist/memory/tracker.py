@@ -69,7 +69,10 @@ from minidist.memory.trace import batch_for
 
 
 def applies(setup: Setup) -> bool:
-    """DDP (a plain step, either implementation) and PyTorch's FSDP2; not ZeRO or FSDP by hand."""
+    """DDP (a plain step, either implementation) and PyTorch's FSDP2; not ZeRO or FSDP by hand, nor
+    tensor parallelism (one process's whole model is not a rank's slice)."""
+    if setup.options.tp_size > 1:
+        return False
     return setup.strategy == "ddp" or (setup.strategy == "fsdp" and setup.options.impl == "torch")
 
 

@@ -24,7 +24,7 @@ inputs cut (it gathers them again in backward), which this code does not.
 import pytest
 import tensor_parallel_workers as workers
 
-from minidist.memory import estimator
+from minidist.memory import estimator, report
 from minidist.parallel.tensor.vocab import padded_vocab_size
 from minidist.runtime.launch import launch
 
@@ -104,3 +104,16 @@ def test_a_tensor_parallel_size_the_model_or_the_ranks_cannot_take_is_refused_in
             estimator.estimate(shapes[1], estimator.setup(strategy="ddp", impl="minidist", world_size=world_size,
                                                       tp_size=tp, mixed_precision="fp32"))
         assert str(error.value).startswith(expected) and "\n" not in str(error.value), error.value
+
+
+def test_the_command_names_the_tensor_parallel_layout(shapes):
+    r = report.report(shapes[1], estimator.setup(strategy="ddp", impl="minidist", world_size=4, tp_size=2,
+                                                 sequence_parallel=True, mixed_precision="fp32"))
+    assert "minidist/ddp on 4 rank(s), tensor parallel over 2 of them, sequence parallel, fp32" in report.format_report(r)
+
+
+def test_memtracker_is_not_asked_for_a_tensor_parallel_step(shapes):
+    # MemTracker traces the whole model in one process: beside a rank's slice its figure would mislead.
+    setup = estimator.setup(strategy="ddp", impl="minidist", world_size=2, tp_size=2, mixed_precision="fp32")
+    others = report.report(shapes[1], setup, trace=True)["others"]
+    assert others["memtracker"] is None and "tensor parallel" in others["memtracker_split"]["error"], others
