@@ -164,6 +164,8 @@ def rank_shape(shape: Shape, tp_size: int) -> Shape:
     the config (two Shapes that differ only in it, say in the attention, compare equal)."""
     if tp_size == shape.tp_size:
         return shape
+    if shape.tp_size != 1:
+        raise ValueError(f"this shape is already the slice one of {shape.tp_size} ranks holds: cut the whole model's")
     return _rank_shape(shape.config.to_json_string(use_diff=False), type(shape.config), shape.name, tp_size)
 
 

@@ -117,3 +117,10 @@ def test_memtracker_is_not_asked_for_a_tensor_parallel_step(shapes):
     setup = estimator.setup(strategy="ddp", impl="minidist", world_size=2, tp_size=2, mixed_precision="fp32")
     others = report.report(shapes[1], setup, trace=True)["others"]
     assert others["memtracker"] is None and "tensor parallel" in others["memtracker_split"]["error"], others
+
+
+def test_a_slice_is_not_cut_again(shapes):
+    half = estimator.rank_shape(shapes[1], 2)
+    assert estimator.rank_shape(half, 2) is half
+    with pytest.raises(ValueError, match="already the slice one of 2 ranks holds"):
+        estimator.rank_shape(half, 4)
