@@ -15,7 +15,7 @@ answer is `CopyToTensorParallel` in `minidist/parallel/tensor/ops.py`: read it a
 
 import torch
 
-from minidist.parallel import comm
+from minidist.parallel import comm  # noqa: F401 (you will want it)
 
 EXERCISE = "11_tensor_parallel"  # tells the check which exercise this file answers
 

@@ -39,6 +39,20 @@ def exchange(chunks, send, recv, n, rank, add):
     else:
         chunks[recv].copy_(incoming)
 """
+# f as exercise 11's skeleton has it, its backward left open: each wrong solution below adds its body.
+F_HEADER = """
+import torch
+import torch.distributed as dist
+from minidist.parallel import comm
+
+class CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):"""
 WRONG = {
     "01_ring_all_reduce": {
         # Stops after the reduce-scatter: each rank holds one finished chunk.
@@ -278,67 +292,23 @@ class Unit(fsdp.Unit):
     },
     "11_tensor_parallel": {
         # g's backward in f's place: the identity, each rank keeps only its own slice's term.
-        "identity": ("""
-import torch
-
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
+        "identity": (F_HEADER + """
         return grad, None
 """, ["only this rank's part of the sum", "all-reduce it", "sent 0 bytes"]),
         # Averages, as DDP does with its gradients.
-        "average": ("""
-import torch
-import torch.distributed as dist
-from minidist.parallel import comm
-
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
+        "average": (F_HEADER + """
         out = grad.clone()
         comm.all_reduce(out, group=ctx.group)
         return out / dist.get_world_size(ctx.group), None
 """, ["1/2 of the right one", "sum, not average"]),
         # The right sum, past minidist's counter: the lesson's bytes would not see it.
-        "uncounted": ("""
-import torch
-import torch.distributed as dist
-
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
+        "uncounted": (F_HEADER + """
         out = grad.clone()
         dist.all_reduce(out, group=ctx.group)
         return out, None
 """, ["sent 0 bytes through minidist.parallel.comm", "no byte count sees it"]),
         # One gradient for two inputs: autograd wants one per argument of forward.
-        "one_gradient": ("""
-import torch
-from minidist.parallel import comm
-
-class CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
+        "one_gradient": (F_HEADER + """
         out = grad.clone()
         comm.all_reduce(out, group=ctx.group)
         return out
