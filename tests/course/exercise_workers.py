@@ -5,7 +5,8 @@ check on every source in turn: a path to a learner's file (a copy of a skeleton)
 for minidist's own implementation under the skeleton's names. Each check runs the source inside
 minidist's own classes and compares with what does not depend on the file being checked: the
 library's all-reduce (01), a plain copy of the model whose gradients the library averages (02,
-04 in fp32), one process on the whole global batch (03), the unsharded model's loss (05); and with
+04 in fp32), one process on the whole global batch (03), the unsharded model's loss (05), the whole
+block in one process (11); and with
 minidist's own implementation beside it where only it knows the answer (ZeRO's bf16 step, FSDP's
 gradient shards and bytes). It also watches what a right answer must do besides the numbers: the
 bytes sent, when a bucket's all-reduce starts, how much gathered memory stays alive. What
