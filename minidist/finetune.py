@@ -284,10 +284,10 @@ def _check(args, env, session: Session):
                 print(f"--illegal_games skip: skipped {skipped} of {skipped + len(texts)} games of {args.data} "
                       f"(not legal chess)")
         sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
-        if args.tp_size > 1 and (args.save_steps or args.resume):
-            raise ValueError("checkpoints of a tensor-parallel run (--tp_size) are not built yet: drop --save_steps "
-                             "and --resume (the final model is written)")
         sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
+        if args.tp_size > 1 and args.impl == "torch" and (args.save_steps or args.resume):
+            raise ValueError("checkpoints of PyTorch's tensor parallelism (--impl torch --tp_size) are not built yet: "
+                             "drop --save_steps and --resume, or use --impl minidist (the final model is written)")
         if args.illegal_games == "refuse":  # the games the steps draw, as the sampler deals them
             used = {i for step in range(args.max_steps) for i in sampler.global_batch(step)}
             legal_moves.check_training_games(texts, args.data, "refuse", used)

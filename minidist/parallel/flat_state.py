@@ -30,7 +30,7 @@ from minidist.parallel.mesh import broadcast_from_first_copy
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _keyed(model) -> list:
+def keyed_flats(model) -> list:
     """(key, flat) for each of the wrapper's flats: the key names the flat by its first parameter."""
     return [(f"flat{i}.{flat.key}", flat) for i, flat in enumerate(model.flats())]
 
@@ -39,19 +39,35 @@ def _dtensor(layout, shard: torch.Tensor, mesh):
     """This rank's shard as its piece of the whole (unpadded) flat, for DCP; under HSDP placed
     (Replicate(), Shard(0)) on the 2-D mesh: DCP writes one copy and reads into every copy.
 
+    With tensor parallelism (`--tp_size T`) each tp rank's flat holds its own slices, another
+    tensor: the flats of a unit are the T rows of one (T, numel) tensor on the (dp_shard, tp) grid,
+    each row cut over the data-parallel ranks as without it (`tensor/checkpoint.py` says why)."""
+    from torch.distributed.tensor import Shard
+
+    from minidist.runtime.distributed import device_mesh
+
+    local = shard.detach()[:layout.valid(mesh.shard_rank)]
+    if mesh.tp_size > 1:
+        grid = device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
+        return as_dtensor(local.view(1, -1), grid, (Shard(1), Shard(0)), (mesh.tp_size, layout.numel))
+    return as_dtensor(local, mesh.shard_device_mesh(), tuple(mesh.placements()), (layout.numel,))
+
+
+def as_dtensor(local: torch.Tensor, device_mesh, placements: tuple, shape):
+    """`local`, this rank's piece, as a DTensor of the whole `shape` placed on `device_mesh`.
+
     The piece stays where the shard is, a view of it: DCP saves from it and loads into it. Not
     `DTensor.from_local`, which moves a tensor that is not on the mesh's device type there: under
     NCCL that mesh is `cuda`, so every save and sharded load of a `--cpu_offload` run would copy
     the host's masters and moments to the GPU (12P/N bytes, +20 GB per rank for CodeLlama-7b on
     4 GPUs), the memory offload exists to free. The DTensor is built from its spec (the mesh, the
-    placements, the whole flat's shape) as FSDP2 builds its own around host shards under
+    placements, the whole tensor's shape) as FSDP2 builds its own around host shards under
     `CPUOffloadPolicy` (`_fsdp_common._from_local_no_grad`)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    local = shard.detach()[:layout.valid(mesh.shard_rank)]
-    spec = DTensorSpec(mesh.shard_device_mesh(), tuple(mesh.placements()),
-                       tensor_meta=TensorMeta(torch.Size([layout.numel]), (1,), local.dtype))
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(device_mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
 
 
@@ -64,24 +80,25 @@ def _ensure_state(optimizer, flats) -> None:
 
 
 def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]:
-    flats = _keyed(model)
+    flats = keyed_flats(model)
     _ensure_state(optimizer, flats)
     lr = torch.tensor([g["lr"] for g in optimizer.param_groups], dtype=torch.float64)
     group = mesh.shard_group
+    holder = mesh.rank == 0  # rank 0; with --tp_size, data-parallel rank 0 of every slice
     if full:
         # Every rank joins the gathers, one flat at a time; only rank 0 keeps them, in CPU memory.
-        weights = model.full_parameters(keep=env.is_main)
+        weights = model.full_parameters(keep=holder)
         optim = {}
         for key, flat in flats:
             state = optimizer.state[flat.shard]
             for m in MOMENTS:
                 whole = gather_flat(flat.layout, state[m], group)
-                if env.is_main:
+                if holder:
                     optim.setdefault(key, {})[m] = whole[:flat.layout.numel].to("cpu", copy=True)
                 del whole
-            if env.is_main:
+            if holder:
                 optim[key]["step"] = state["step"].detach().cpu().clone()
-        if not env.is_main:
+        if not holder:
             return {}, {}
         return weights, {"flats": optim, "lr": lr}
     model_sd = {key: _dtensor(flat.layout, flat.shard, mesh) for key, flat in flats}
@@ -94,15 +111,15 @@ def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]
 
 
 def set_state_dict(model, optimizer, model_sd: dict, optim_sd: dict, full: bool, env, mesh) -> None:
-    flats = _keyed(model)
+    flats = keyed_flats(model)
     _ensure_state(optimizer, flats)
-    group = mesh.shard_group
+    group, holder = mesh.shard_group, mesh.rank == 0  # rank 0; with --tp_size, data-parallel rank 0 of every slice
     for key, flat in flats:
         state, layout = optimizer.state[flat.shard], flat.layout
         if full:
             names = [n[0] for n in flat.names]
-            whole = layout.flatten([model_sd[n] for n in names], torch.float32) if env.is_main else None
-            saved = optim_sd["flats"].get(key, {}) if env.is_main else {}
+            whole = layout.flatten([model_sd[n] for n in names], torch.float32) if holder else None
+            saved = optim_sd["flats"].get(key, {}) if holder else {}
             if mesh.replicate_rank == 0:  # HSDP: rank 0 scatters to its own node; the copies get them from there
                 scatter_flat(layout, whole, flat.shard, group)
                 for m in MOMENTS:
@@ -114,9 +131,9 @@ def set_state_dict(model, optimizer, model_sd: dict, optim_sd: dict, full: bool,
         else:
             valid = layout.valid(mesh.shard_rank)
             with torch.no_grad():
-                flat.shard[:valid].copy_(model_sd[key].to_local())
+                flat.shard[:valid].copy_(model_sd[key].to_local().reshape(-1))  # with --tp_size: a (1, valid) row
                 for m in MOMENTS:
-                    state[m][:valid].copy_(optim_sd["flats"][key][m].to_local())
+                    state[m][:valid].copy_(optim_sd["flats"][key][m].to_local().reshape(-1))
             state["step"] = optim_sd["flats"][key]["step"].detach().clone()
     lr = optim_sd["lr"] if not full or env.is_main else torch.zeros(len(optimizer.param_groups), dtype=torch.float64)
     lr = lr.to(env.device)

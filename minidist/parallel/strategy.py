@@ -204,11 +204,6 @@ class Strategy:
         full = whole_weights(weights(), self._split, self.mesh.tp_group)
         return full if self.env.is_main else None
 
-    def check_tensor_parallel_checkpoints(self) -> None:
-        if self.tensor_parallel:  # finetune._check refuses --save_steps and --resume first
-            raise NotImplementedError("checkpoints of a tensor-parallel run (--tp_size) are not built yet: "
-                                      "its state was not saved")
-
     def get_state_dict(self, model, optimizer, full: bool) -> tuple[dict, dict]:
         """The model's and the optimizer's state for a checkpoint (`state.py`), keyed by parameter name.
 
@@ -218,7 +213,6 @@ class Strategy:
         (`ShardedByHand`) hand out and take back their flat shards instead."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        self.check_tensor_parallel_checkpoints()
         options = StateDictOptions(full_state_dict=full, cpu_offload=full)
         return get_state_dict(self.unwrap(model), optimizer, options=options)
 
@@ -226,7 +220,6 @@ class Strategy:
         """Load what `get_state_dict` gave; full=True: rank 0 holds it and broadcasts, the others pass {}."""
         from torch.distributed.checkpoint import state_dict as dsd
 
-        self.check_tensor_parallel_checkpoints()
         options = dsd.StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
         # Two calls, not set_state_dict: it would take the empty model dict of ranks > 0 to mean
         # "optimizer only", and those ranks would skip the broadcasts rank 0 sends.
@@ -251,6 +244,23 @@ class MinidistDDP(Strategy):
     """The hand-written DDP of `ddp.py`: bucketed with overlap, or naive (`--ddp_variant naive`)."""
 
     autocast_weights = True
+
+    def get_state_dict(self, model, optimizer, full):
+        if not self.tensor_parallel:
+            return super().get_state_dict(model, optimizer, full)
+        from minidist.parallel.tensor import checkpoint
+
+        # The slices, as parts of whole tensors (sharded) or joined (full): tensor/checkpoint.py
+        return checkpoint.replicated_state_dict(self.unwrap(model), optimizer, full, self._split, self.mesh)
+
+    def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
+        if not self.tensor_parallel:
+            return super().set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full)
+        from minidist.parallel.tensor import checkpoint
+
+        # Each rank keeps its slices (a full checkpoint: of any tp size)
+        checkpoint.load_replicated(self.unwrap(model), optimizer, model_state_dict, optim_state_dict, full,
+                                   self._split, self.mesh)
 
     def wrap(self, model):
         from minidist.parallel import ddp
@@ -280,13 +290,26 @@ class ShardedByHand(Strategy):
     def get_state_dict(self, model, optimizer, full):
         from minidist.parallel import flat_state
 
-        self.check_tensor_parallel_checkpoints()
-        return flat_state.get_state_dict(model, optimizer, full, self.env, self.mesh)
+        model_sd, optim_sd = flat_state.get_state_dict(model, optimizer, full, self.env, self.mesh)
+        if self.tensor_parallel:  # full: the slices joined, as a tp 1 run writes them; sharded: its layout noted
+            from minidist.parallel.tensor import checkpoint
+
+            if full:
+                return checkpoint.whole_flats(model, model_sd, optim_sd, self._split, self.mesh)
+            optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
+        return model_sd, optim_sd
 
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
         from minidist.parallel import flat_state
 
-        self.check_tensor_parallel_checkpoints()
+        if self.tensor_parallel:  # full: rank 0's whole state cut into each slice's; sharded: the same layout
+            from minidist.parallel.tensor import checkpoint
+
+            if full:
+                model_state_dict, optim_state_dict = checkpoint.sliced_flats(model, model_state_dict, optim_state_dict,
+                                                                             self._split, self.mesh)
+            else:
+                checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)
         flat_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
 
 
