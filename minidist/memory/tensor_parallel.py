@@ -84,9 +84,10 @@ def sequence_parallel(terms: dict, tp: int) -> dict:
 
 def logits(targets: int, shape) -> int:
     """The estimate's logits term for one rank's slice of the vocabulary (`shape.vocab_size` tokens):
-    what is alive beside the saved softmax at the loss's worst moment. The vocabulary-parallel
-    loss computes its exponentials and softmax in place, so only its input, the logits of the
-    targets, is beside it: one fp32 tensor of targets x V/t, where `F.cross_entropy` has two
-    (`moments.py`). The rank whose slice holds the vocabulary's padding also copies its logits to
-    mask the padding out of the softmax: one more. The estimate is that rank's, the worst."""
-    return 4 * targets * shape.vocab_size * (2 if getattr(shape.config, "vocab_padding", 0) else 1)
+    what is alive beside the saved softmax at the loss's worst moment. As with the whole
+    vocabulary (`moments.py`), two fp32 tensors of targets x V/t: the logits as the head made them,
+    which the loop holds while the loss runs, and the loss's input (`step.token_loss_sum`'s shifted
+    copy); the vocabulary-parallel loss computes its exponentials and softmax in place, into the one
+    it saves. The rank whose slice holds the vocabulary's padding also copies its logits to mask the
+    padding out of the softmax: one more. The estimate is that rank's, the worst."""
+    return 4 * targets * shape.vocab_size * (3 if getattr(shape.config, "vocab_padding", 0) else 2)

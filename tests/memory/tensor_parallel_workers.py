@@ -4,14 +4,17 @@ as the estimator is held to account (the whole step's peak of live tensors), and
 decoder layers saves for backward."""
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from minidist import finetune
+from minidist import step as loop_step
 from minidist.memory import measure, trace
 from minidist.parallel.options import ADAMW_OPTIONS
-from minidist.parallel.tensor import llama
+from minidist.parallel.tensor import llama, vocab
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))  # the tensor tests' model and batch
 import tensor_workers  # after the line above: it finds it
@@ -21,7 +24,7 @@ BATCH, SEQ = 4, 128
 
 
 def tiny_model(vocab_multiple: int = 1):
-    """The fp32 tiny Llama; with `vocab_multiple`, its vocabulary grown to a multiple of it, as
+    """The fp32 tiny Llama of tests/parallel/tensor_workers.py; with `vocab_multiple`, its vocabulary grown to a multiple of it, as
     Hugging Face's `resize_token_embeddings(pad_to_multiple_of=...)` does: the cut then needs no
     padding."""
     model = tensor_workers.tiny_llama(**SIZES).float()
@@ -40,11 +43,34 @@ def model_and_batch(sequence_parallel: bool, vocab_multiple: int = 1):
     return model, b, group
 
 
+class LoopLoss:
+    """What the loop's loss (`step.token_loss_sum`) asks of a strategy, for a bare step: fp32, so
+    no autocast; under tensor parallelism the loss from the vocabulary's slices, as
+    `Strategy.cross_entropy_sum` computes it. The loop's own code, so that the logits live as long
+    as they do in the loop."""
+
+    def __init__(self, model, group):
+        self.model, self.group = model, group
+
+    def autocast(self):
+        return nullcontext()
+
+    def cross_entropy_sum(self, logits, targets):
+        if self.group is None:
+            return loop_step.cross_entropy_sum(logits, targets)
+        return vocab.vocab_parallel_cross_entropy(logits, targets, self.model.lm_head.start,
+                                                  self.model.config.vocab_size, self.group).sum()
+
+
+def loss_sum(model, b, group):
+    return loop_step.token_loss_sum(model, b, LoopLoss(model, group))
+
+
 def saved_by_layer(model, b, group) -> dict:
     """What forward and the loss save for backward, by decoder layer and the norms' part of it (each
     storage once), from a forward whose graph is then let go."""
     with trace.SavedByLayer(model) as seen:
-        loss = tensor_workers.loss_sum(model, b, group)
+        loss = loss_sum(model, b, group)
     del loss
     result = seen.result()
     return {"layers": result.layers, "layer_norms": result.layer_norms, "outside": result.outside,
@@ -58,7 +84,7 @@ def step_memory(sequence_parallel: bool = False, vocab_multiple: int = 1) -> dic
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **ADAMW_OPTIONS)
 
     def step():
-        tensor_workers.loss_sum(model, b, group).backward()
+        loss_sum(model, b, group).backward()
         optimizer.step()
 
     step()
@@ -69,6 +95,10 @@ def step_memory(sequence_parallel: bool = False, vocab_multiple: int = 1) -> dic
     return {"peak": peak, **states, **saved_by_layer(model, b, group)}
 
 
-def step_memories(cases: list) -> list:
-    """`step_memory` of each case, (sequence_parallel, vocab_multiple), in one launch."""
-    return [step_memory(*case) for case in cases]
+def step_memories(cases: list, loop_argv: list | None = None) -> list:
+    """`step_memory` of each case, (sequence_parallel, vocab_multiple), in one launch; then, given
+    its arguments, one run of the training loop in the same ranks (it writes its metrics.jsonl)."""
+    results = [step_memory(*case) for case in cases]
+    if loop_argv:
+        finetune.train(finetune.parse_args(loop_argv))
+    return results

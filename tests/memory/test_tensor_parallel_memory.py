@@ -5,8 +5,9 @@ The tiny Llama of tests/parallel/test_tensor.py (fp32, hidden 128, 8 heads, 4 ke
 MLP 336, 4 layers, 1,975 tokens), batch 4 x 128 tokens, cut by `parallelize_llama` over 1 (the
 whole model), 2 and 4 ranks, with and without sequence parallelism, and on 2 ranks with its
 vocabulary grown to 1,976 tokens (even, so no rank holds padding): one training step per case
-(`tensor_parallel_workers.py`), its whole-step peak of live tensors, its model states and what
-each decoder layer saves for backward.
+(`tensor_parallel_workers.py`, the loop's own loss), its whole-step peak of live tensors, its
+model states and what each decoder layer saves for backward; and, in the 2-rank launch, the
+training loop itself with `--tp_size 2 --sequence_parallel` under the hand-written FSDP.
 
 Per token, a Llama layer in fp32 saves (`memory/llama_layer.py`; h hidden, I the MLP's width,
 q and kv the query and key/value widths, n heads, t the tensor-parallel ranks):
@@ -21,9 +22,12 @@ parallelism and sbh(34 + 5as/h)/t with sequence parallelism too: Megatron-LM als
 inputs cut (it gathers them again in backward), which this code does not.
 """
 
+import json
+
 import pytest
 import tensor_parallel_workers as workers
 
+from minidist.hf.models import write_tiny_llama
 from minidist.memory import estimator, report
 from minidist.parallel.tensor.vocab import padded_vocab_size
 from minidist.runtime.launch import launch
@@ -33,13 +37,31 @@ CASES = {1: [(False, 1)], 2: [(False, 1), (True, 1), (False, 2)], 4: [(False, 1)
 TOKENS = workers.BATCH * workers.SEQ
 
 
+LOOP_BATCH, LOOP_SEQ = 8, 32  # every game is longer than 32 tokens: full micro-batches
+
+
 @pytest.fixture(scope="module")
-def measured() -> dict:
+def loop_run(long_games, tmp_path_factory) -> dict:
+    """The training loop's arguments for its run in the 2-rank launch (`measured`): `--tp_size 2
+    --sequence_parallel`, the hand-written FSDP over the one data-parallel rank each slice has."""
+    root = tmp_path_factory.mktemp("tensor_parallel_loop")
+    model = str(write_tiny_llama(root / "llama", hidden_size=128, num_layers=4, num_heads=8))
+    argv = ["--model", model, "--data", long_games, "--max_steps", "3", "--max_seq_length", str(LOOP_SEQ),
+            "--batch_size_per_device", str(LOOP_BATCH), "--eval_prefixes", "0", "--no_save", "--trace_memory_every", "1",
+            "--impl", "minidist", "--strategy", "fsdp", "--tp_size", "2", "--sequence_parallel",
+            "--output_dir", str(root / "run")]
+    return {"model": model, "argv": argv, "metrics": root / "run" / "metrics.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def measured(loop_run) -> dict:
     """{(tp, sequence_parallel, vocab_multiple): every rank's figures}: one launch per tp size (the
-    whole model here, in this process)."""
+    whole model here, in this process); the 2-rank launch also runs the loop (`loop_run`)."""
     out = {}
     for tp, cases in CASES.items():
-        ranks = [workers.step_memories(cases)] if tp == 1 else launch(workers.step_memories, tp, cases, timeout_s=300)
+        loop = loop_run["argv"] if tp == 2 else None
+        ranks = [workers.step_memories(cases)] if tp == 1 else launch(workers.step_memories, tp, cases, loop,
+                                                                        timeout_s=300)
         for case, by_rank in zip(cases, zip(*ranks)):
             out[(tp, *case)] = by_rank
     return out
@@ -95,6 +117,24 @@ def test_the_estimate_is_within_5_percent_of_the_measured_peak_on_every_rank(mea
             copy = 4 * TOKENS * vocab_slice if padded and r < tp - 1 else 0
             want = estimate["peak"] - copy
             assert abs(rank["peak"] - want) <= 0.05 * want, f"tp {tp}, SP {sp}, rank {r}: {rank['peak']} vs {want}"
+
+
+def test_the_loop_measures_what_the_estimate_says_under_tensor_and_sequence_parallelism(measured, loop_run):
+    """The training loop itself, as tests/memory/test_memory.py holds every strategy: its metrics.jsonl
+    against the estimate, within 5% on both ranks (the first without the padding's copy)."""
+    records = [json.loads(line) for line in loop_run["metrics"].read_text().splitlines()]
+    shape = estimator.model_shape(loop_run["model"])
+    estimate = estimator.estimate(shape, estimator.setup(strategy="fsdp", impl="minidist", world_size=2, tp_size=2,
+                                                         sequence_parallel=True, mixed_precision="fp32",
+                                                         batch_size_per_device=LOOP_BATCH, max_seq_length=LOOP_SEQ,
+                                                         padded=False, backend="gloo"))
+    copy = 4 * LOOP_BATCH * LOOP_SEQ * padded_vocab_size(shape.vocab_size, 2) // 2  # the last rank's (1,975: padded)
+    steady = [min(step) for step in zip(*(r["memory_bytes"]["peak"] for r in records[1:]))]  # per rank
+    for got, want in zip(steady, (estimate["peak"] - copy, estimate["peak"])):
+        assert abs(got - want) <= 0.05 * want, (steady, estimate["peak"], copy)
+    for term in ("parameters", "gradients", "optimizer_states"):  # within 2%, as test_memory.py: AdamW's step
+        for got in records[-1]["memory_bytes"][term]:  # counters are one per flat unit here, per tensor there
+            assert abs(got - estimate[term]) <= 0.02 * estimate[term], (term, got, estimate[term])
 
 
 def test_a_tensor_parallel_size_the_model_or_the_ranks_cannot_take_is_refused_in_one_sentence(shapes):
