@@ -71,6 +71,12 @@ LESSONS = {
                                               " on 2 node(s)", "minidist/fsdp on 4 x cpu", "minidist/hsdp on 4 x cpu",
                                               "LoRA r=16: training", "fsdp step 2: rank 0 sent",
                                               "hsdp step 2: rank 0 sent", "hsdp-lora step 2: rank 0 sent", STORE_UP]},
+    # One node of 4 CPU ranks (GPUS_PER_NODE: the job's 2 "GPUs" cannot hold tp 2 x FSDP 2), two runs in
+    # OUTPUT_DIR/tp4 and OUTPUT_DIR/tp2-fsdp2.
+    "11_tensor_parallel": {"trains": False, "env": {"GPUS_PER_NODE": "4"},
+                           "log": ["lesson 11 (splitting a layer): tp 4, then tp 2 x FSDP 2, on one node",
+                                   "minidist/ddp x tensor-parallel 4 on 4 x cpu", "minidist/fsdp x tensor-parallel 2 on 4 x cpu",
+                                   "tp4 step 2: rank 0 sent", "tp2-fsdp2 step 2: rank 0 sent"]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
 VENV_BIN = Path(sys.executable).parent
