@@ -25,14 +25,15 @@
 # - Memory per GPU, from `python -m minidist.memory codellama/CodeLlama-7b-hf --impl minidist
 #   --world_size 4 --batch_size_per_device 4 --max_seq_length 512 --mixed_precision bf16 --gpu_memory 80GB`
 #   with `--strategy ddp --tp_size 4 --gradient_accumulation_steps 8`: model states 16P/4 = 27.0 GB,
-#   peak about 46.2 GB; with `--strategy fsdp --tp_size 2 --gradient_accumulation_steps 4
-#   --accumulate_sharded` (chess_finetune.sh adds the flag on one node): 16P/4 again, peak about
-#   43 GB; FSDP alone on the 4 GPUs, 42.0 GB (lesson 05). Both fit in 80 GB. (The estimator's
-#   tensor-parallel terms as of 2026-11-26: rerun the command, it is the reference.)
+#   peak about 46.3 GB (DDP's buckets and autocast's bf16 copies on top); with `--strategy fsdp
+#   --tp_size 2 --gradient_accumulation_steps 4 --accumulate_sharded` (chess_finetune.sh adds the
+#   flag on one node): 16P/4 again, peak about 36.7 GB; FSDP alone on the 4 GPUs, 42.0 GB (lesson
+#   05). Both fit in 80 GB. (The estimator's figures of 2026-11-26: rerun the command.)
 # Which runs faster, and why tensor parallelism stays inside a node, is lessons/11_tensor_parallel.md's
 # subject: compare `step_time_s` in the two metrics.jsonl, and with lesson 05's FSDP alone.
-# Checkpoints of a tensor-parallel run are not built yet, so these runs save none (SAVE_STEPS=0),
-# and neither the final model (--no_save): they measure. No requeue either: the runs are short.
+# These short runs measure: they save no checkpoint (SAVE_STEPS=0) and no final model (--no_save),
+# and are not requeued. `--save_steps 10` (an argument: it wins) tries the sharded checkpoints of a
+# tensor-parallel run (minidist/parallel/tensor/checkpoint.py) on both layouts.
 #
 # Each run is slurm/chess_finetune.sh (srun, torchrun, rendezvous), in a folder of its own,
 # OUTPUT_DIR/tp4 and OUTPUT_DIR/tp2-fsdp2, with the accumulation this script computes for its data-
