@@ -283,11 +283,14 @@ def _check(args, env, session: Session):
             if skipped and env.is_main:
                 print(f"--illegal_games skip: skipped {skipped} of {skipped + len(texts)} games of {args.data} "
                       f"(not legal chess)")
-        sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
-        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
         if args.tp_size > 1 and args.impl == "torch" and (args.save_steps or args.resume):
             raise ValueError("checkpoints of PyTorch's tensor parallelism (--impl torch --tp_size) are not built yet: "
                              "drop --save_steps and --resume, or use --impl minidist (the final model is written)")
+        if args.impl == "torch" and args.sequence_parallel and args.eval_prefixes:
+            raise ValueError("PyTorch's sequence parallelism cuts every sequence over the ranks, so it cannot generate "
+                             "a token at a time for the legal-move rate: pass --eval_prefixes 0, or use --impl minidist")
+        sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
+        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
         if args.illegal_games == "refuse":  # the games the steps draw, as the sampler deals them
             used = {i for step in range(args.max_steps) for i in sampler.global_batch(step)}
             legal_moves.check_training_games(texts, args.data, "refuse", used)

@@ -103,7 +103,8 @@ def train_step(model, strategy, micro_batches, num_targets: int, world_size: int
         # Only the last micro-batch communicates; the others just add to the local gradients. (With
         # --accumulate_sharded the strategy's no_sync is a null context: each micro-batch reduce-
         # scatters and keeps only its shard, `strategy.Strategy.no_sync`.)
-        with nullcontext() if last else strategy.no_sync(model):
+        # The loss's context holds over backward too: PyTorch's tensor-parallel loss needs it there.
+        with nullcontext() if last else strategy.no_sync(model), strategy.loss_context():
             loss = token_loss_sum(model, batch, strategy)
             # Strategies average gradients over ranks, so scale by world_size / global target count.
             (loss * world_size / num_targets).backward()

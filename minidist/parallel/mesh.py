@@ -74,9 +74,16 @@ class DataParallelMesh:
         """What FSDP2 and DCP's DTensors are placed on: the 1-D mesh of the shard dimension, or
         under HSDP the 2-D (replicate, shard) mesh, on which FSDP2 replicates along dim 0 and
         shards along dim 1."""
+        if self.tp_group is not None:  # the data-parallel dimension of the (dp, tp) grid
+            return device_mesh((self.size, self.tp_size), ("dp_shard", "tp"))["dp_shard"]
         if self.replicate_group is None:
             return device_mesh()
         return device_mesh((self.replicate_size, self.shard_size), MESH_DIM_NAMES)
+
+    def tp_device_mesh(self):
+        """PyTorch's tensor parallelism (`tensor/reference.py`): the tensor-parallel dimension of the
+        (dp, tp) grid, as a `DeviceMesh`."""
+        return device_mesh((self.size, self.tp_size), ("dp_shard", "tp"))["tp"]
 
     def placements(self) -> tuple:
         """How a flat shard sits on `shard_device_mesh()`: Shard(0), and Replicate() first under

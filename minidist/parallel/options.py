@@ -36,7 +36,7 @@ DTYPES = ("fp32", "bf16")
 DDP_VARIANTS = ("bucketed", "naive")
 EVERY = ("minidist", "torch"), STRATEGIES + HYBRID  # (implementations, strategies) an option applies to
 # What tensor parallelism (lesson 11) composes with over the data-parallel dimension, so far.
-TENSOR_PARALLEL_WITH = ("minidist/ddp", "minidist/fsdp")
+TENSOR_PARALLEL_WITH = ("minidist/ddp", "minidist/fsdp", "torch/fsdp")
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
 # Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them,

@@ -107,6 +107,11 @@ class Strategy:
         start, vocab_size = self._vocabulary
         return vocab_parallel_cross_entropy(logits, targets, start, vocab_size, self.mesh.tp_group).sum()
 
+    def loss_context(self):
+        """The context a micro-batch's forward, loss and backward run in (`step.train_step`): none,
+        but PyTorch's tensor-parallel loss (`TorchFSDP`)."""
+        return nullcontext()
+
     def load_model(self, name_or_path: str) -> nn.Module:
         """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
         from minidist.hf import models
@@ -177,12 +182,6 @@ class Strategy:
     def clip_grad_norm_(self, model, max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm`; their norm before clipping, as a tensor on the device
         (read it when the number is needed: each read makes the host wait for the device)."""
-        if self.tensor_parallel:  # each rank holds slices: the norm is summed over the group (tensor/whole.py)
-            from minidist.parallel.tensor import whole
-
-            pieces = [(p.grad, [] if name in self._split else [slice(None)])
-                      for name, p in self.unwrap(model).named_parameters() if p.grad is not None]
-            return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group)
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
@@ -272,6 +271,16 @@ class MinidistDDP(Strategy):
         if self.options.value("ddp_variant") == "naive":
             return ddp.NaiveDDP(model, self.mesh.group, reduce_dtype=reduce_dtype)
         return ddp.BucketedDDP(model, self.mesh.group, self.options.value("bucket_cap_mb"), reduce_dtype)
+
+    def clip_grad_norm_(self, model, max_norm):
+        if not self.tensor_parallel:
+            return super().clip_grad_norm_(model, max_norm)
+        from minidist.parallel.tensor import whole
+
+        # Each rank holds slices: the norm is summed over the tensor-parallel group (tensor/whole.py).
+        pieces = [(p.grad, [] if name in self._split else [slice(None)])
+                  for name, p in self.unwrap(model).named_parameters() if p.grad is not None]
+        return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group)
 
 
 class ShardedByHand(Strategy):
@@ -371,8 +380,10 @@ class TorchFSDP(Strategy):
 
     def load_model(self, name_or_path):
         """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
-        no memory), and `wrap` broadcasts rank 0's weights into every rank's shards (`load_on_rank0`)."""
-        return load_on_rank0(name_or_path, self.env)
+        no memory), and `wrap` broadcasts rank 0's weights into every rank's shards (`load_on_rank0`).
+        With --tp_size T, the T ranks of data-parallel rank 0 read them: `parallelize_module` sends
+        each tensor-parallel rank its slices from the first one's weights."""
+        return load_on_rank0(name_or_path, self.env, loads=self.mesh.rank == 0)
 
     def wrap(self, model):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -387,6 +398,7 @@ class TorchFSDP(Strategy):
         if self.options.mixed_precision == "bf16":
             # Parameters are all-gathered in bf16, gradients reduce-scattered in fp32.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.cut_layers(model)  # --tp_size: PyTorch's own tensor parallelism first, on the tp dimension
         if self.options.layer_wrap_policy:
             classes = wrap_policy_classes(model)
             for module in model.modules():
@@ -430,6 +442,49 @@ class TorchFSDP(Strategy):
     def unwrap(self, model):
         return model  # fully_shard changes the model in place: there is no wrapper
 
+    # PyTorch's tensor parallelism (`tensor/reference.py`): `parallelize_module`, then fully_shard on
+    # the data-parallel dimension, as torchtitan composes them. Its logits are a DTensor cut by vocabulary.
+    def cut_layers(self, model):
+        if self.tensor_parallel:
+            from minidist.parallel.tensor.reference import parallelize_llama_torch
+
+            for line in parallelize_llama_torch(model, self.mesh.tp_device_mesh(), self.options.sequence_parallel):
+                if self.env.is_main:
+                    print(line)
+            model.lm_head.register_forward_hook(_whole_logits_in_eval)
+        return model
+
+    def clip_grad_norm_(self, model, max_norm):
+        if not self.tensor_parallel:
+            return super().clip_grad_norm_(model, max_norm)
+        # The norms' weights are sharded over the data-parallel dimension only, the cut matrices over
+        # both: DTensors on two meshes, which torch's clip_grad_norm_ cannot stack. So each mesh's
+        # gradients give their norm, and the whole norm is theirs combined.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        by_mesh = {}
+        for grad in grads:
+            by_mesh.setdefault(grad.device_mesh, []).append(grad)
+        norms = [torch.nn.utils.get_total_norm(same, 2.0).full_tensor() for same in by_mesh.values()]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
+        with torch.no_grad():
+            for grad in grads:  # each rank scales its own shard; the DTensor is a view of it
+                grad.to_local().mul_(scale)
+        return norm
+
+    def cross_entropy_sum(self, logits, targets):
+        if not self.tensor_parallel:
+            return super().cross_entropy_sum(logits, targets)
+        # inside loss_context: PyTorch's loss_parallel takes the DTensor logits cut by vocabulary
+        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").to_local()
+
+    def loss_context(self):
+        if not self.tensor_parallel:
+            return nullcontext()
+        from minidist.parallel.tensor.reference import loss_parallel
+
+        return loss_parallel()
+
     @contextmanager
     def _accumulate_locally(self, model):
         model.set_requires_gradient_sync(False)  # --accumulate_sharded leaves it True: a reduce-scatter per micro-batch
@@ -445,6 +500,12 @@ class TorchFSDP(Strategy):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
         return state if self.env.is_main else None
+
+
+def _whole_logits_in_eval(head, inputs, logits):
+    """In eval mode (generation) the whole vocabulary's logits, a plain tensor on every rank, as
+    the hand-written head gives them (`tensor/vocab.py`); in training the DTensor stays cut."""
+    return logits if head.training else logits.full_tensor()
 
 
 def load_on_rank0(name_or_path: str, env, loads: bool | None = None) -> nn.Module:

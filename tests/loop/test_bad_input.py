@@ -129,7 +129,11 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--sequence_parallel"], "error: --sequence_parallel cuts the sequence over the tensor-parallel ranks: it needs "
                               "--tp_size 2 or more"),
     (["--impl", "minidist", "--strategy", "zero2", "--tp_size", "2"],
-     "error: --tp_size composes with minidist/ddp or minidist/fsdp over the data-parallel ranks, not minidist/zero2"),
+     "error: --tp_size composes with minidist/ddp or minidist/fsdp or torch/fsdp over the data-parallel ranks, not "
+     "minidist/zero2"),
+    (["--impl", "torch", "--strategy", "fsdp", "--tp_size", "2", "--sequence_parallel", "--eval_prefixes", "5"],
+     "error: PyTorch's sequence parallelism cuts every sequence over the ranks, so it cannot generate a token at a "
+     "time for the legal-move rate: pass --eval_prefixes 0, or use --impl minidist"),
     (["--impl", "minidist", "--strategy", "ddp", "--tp_size", "3"],
      "error: --tp_size 3 does not divide the model's 4 attention heads: each rank must get an equal share"),
     (["--impl", "minidist", "--strategy", "ddp", "--tp_size", "2"],

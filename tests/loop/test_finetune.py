@@ -64,6 +64,9 @@ SPLITS = [  # (implementation, strategy, world size, batch per device, accumulat
     ("minidist", "ddp", 4, 4, 1, ["--tp_size", "4", "--sequence_parallel"]),
     ("minidist", "fsdp", 4, 2, 1, ["--tp_size", "2", "--gradient_checkpointing"]),
     ("minidist", "fsdp", 4, 1, 2, ["--tp_size", "2", "--sequence_parallel"]),
+    # PyTorch's own (parallelize_module, then fully_shard on the data dimension): the reference.
+    ("torch", "fsdp", 2, 4, 1, ["--tp_size", "2"]),
+    ("torch", "fsdp", 4, 1, 2, ["--tp_size", "2", "--sequence_parallel", "--gradient_checkpointing"]),
 ]
 
 
