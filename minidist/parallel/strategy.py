@@ -3,12 +3,14 @@
 The training loop in `finetune.py` never asks which strategy it runs. It picks one by name and
 implementation from `STRATEGY_CLASSES` (a dict: `get_strategy(options, env)`), then calls:
 
+    strategy.check_model(name)                  # --tp_size: can the model be cut that many ways?
     model = strategy.load_model(name)           # FSDP: the weights read on rank 0 only
     strategy.checkpoint_activations(model)      # with --gradient_checkpointing
-    model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP)
+    model = strategy.wrap(model)                # replicate (DDP) or shard (ZeRO, FSDP); --tp_size: cut first
     optimizer = strategy.build_optimizer(model, lr, weight_decay)
-    with strategy.no_sync(model):               # micro-batches that only accumulate (or, with
-        loss.backward()                         # --accumulate_sharded, reduce-scatter each: no_sync)
+    with strategy.no_sync(model), strategy.loss_context():  # micro-batches that only accumulate (or,
+        loss = strategy.cross_entropy_sum(...)  # with --accumulate_sharded, reduce-scatter each: no_sync)
+        loss.backward()
     strategy.clip_grad_norm_(model, max_norm); optimizer.step()
 
 and, to save, `strategy.full_state_dict(model)` (the weights) or `strategy.get_state_dict` and
@@ -17,6 +19,10 @@ and, to save, `strategy.full_state_dict(model)` (the weights) or `strategy.get_s
 DistributedDataParallel and FSDP2 `fully_shard`, the reference) or `minidist` (written by hand
 in `ddp.py`, `zero.py` and `fsdp.py`, checked against the reference). What a strategy reads is
 a `ParallelOptions` (`options.py`) and a `DataParallelMesh` (`mesh.py`: its process groups).
+With `--tp_size` (lesson 11) the mesh has a tensor-parallel dimension too: the strategy cuts the
+model over it before wrapping it over the data-parallel one (`cut_layers`: `tensor/llama.py` by
+hand, `tensor/reference.py` for PyTorch's), and the places the cut shows are the loss (from the
+vocabulary's slices), clipping (a norm summed over the slices) and the weights it saves.
 
 `Strategy` itself is what a model replicated on every rank needs (both DDPs): one class per
 strategy below overrides only what it does differently. ZeRO and FSDP by hand share
