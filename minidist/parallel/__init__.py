@@ -29,9 +29,13 @@
         tensor/vocab.py  the vocabulary cut: embedding, head, and a loss that never gathers logits
         tensor/llama.py  a Hugging Face Llama cut in place: heads (grouped-query attention too), MLP,
                          vocabulary, and sequence parallelism's norms
+        tensor/whole.py  the slices joined (the final model) and the gradient's norm over them
+        tensor/checkpoint.py  checkpoints of a cut model: sharded, or full at any tp size
+        tensor/reference.py   PyTorch's own tensor parallelism on the same Llama, the reference
 
 Measurement, not taught: `across_nodes.py` splits `comm.py`'s byte count into the bytes within a
-node and across nodes, for metrics.jsonl (a subscriber of `comm.counter`).
+node and across nodes, and the tensor-parallel group's, for metrics.jsonl (a subscriber of
+`comm.counter`); `tensor/traffic.py` gives tensor parallelism's bytes by formula.
 
 Lesson 00 (memory) is `minidist/memory/`. Nothing is imported here: each module is imported by its
 own name.
