@@ -15,6 +15,19 @@ def run_finetunes(argvs):
     return [run_finetune(argv) for argv in argvs]
 
 
+def run_finetunes_then_refusal(argvs, refused_argv) -> tuple[list, str | None]:
+    """`run_finetunes(argvs)`, then the one line that a run stopping on a usage mistake says (None
+    if it trains instead), in the same ranks."""
+    from minidist.runtime.errors import UsageError
+
+    results = run_finetunes(argvs)
+    try:
+        run_finetune(refused_argv)
+    except UsageError as err:
+        return results, str(err)
+    return results, None
+
+
 def train_steps(model, strategy, optimizer, sequences, sampler, pad_token_id, micro_batch, steps,
                 after_optimizer_step=None) -> tuple[list, list, list, list]:
     """The loop's step, bare, for the parity workers (tests/parallel/): each step, this rank's

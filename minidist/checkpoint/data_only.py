@@ -129,7 +129,15 @@ def load(state: dict, folder) -> None:
     try:
         dcp.load(state, storage_reader=DataOnlyReader(folder), planner=DataOnlyPlanner())
     except CheckpointException as err:
-        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, NotData)]
+        failures = [exc for exc, _ in err.failures.values()]
+        refused = [exc for exc in failures if isinstance(exc, NotData)]
         if refused:
             raise UsageError(refusal(folder, refused[0])) from None
+        # DCP's planner compares every saved tensor's whole shape with this run's before it reads
+        # (a sharded checkpoint of another tensor-parallel layout, say): one line, not its traceback.
+        shapes = [exc for exc in failures if "Size mismatch" in str(exc)]
+        if shapes:
+            raise UsageError(f"checkpoint {folder} holds tensors of other shapes than this run's ({shapes[0]}): "
+                             f"it was written by another layout; resume it with the sizes that wrote it "
+                             f"(--tp_size), or start afresh without --resume") from None
         raise

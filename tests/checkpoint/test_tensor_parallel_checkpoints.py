@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_workers import run_finetunes
+from train_workers import run_finetunes_then_refusal
 
 from minidist.parallel.tensor.checkpoint import check_layout
 from minidist.runtime.errors import UsageError
@@ -56,7 +56,11 @@ def runs(tiny_model, tmp_path_factory):
         for tp, per_rank in ((4, 4), (1, 1)):
             batch[f"{strategy} tp {tp}"] = args(tiny_model, root / f"{strategy}-tp{tp}", strategy, tp, per_rank,
                                                 *resume(f"{strategy}-full"))
-    results = dict(zip(batch, launch(run_finetunes, 4, list(batch.values()), timeout_s=600)[0]))
+    # Last, on the same ranks: FSDP's sharded tp 2 checkpoint resumed at tp 4, which DCP's planner refuses.
+    refused = args(tiny_model, root / "fsdp-at-tp4", "fsdp", 4, 4, *resume("fsdp-sharded"))
+    by_rank = launch(run_finetunes_then_refusal, 4, list(batch.values()), refused, timeout_s=600)
+    results = dict(zip(batch, by_rank[0][0]))
+    results["fsdp sharded at tp 4"] = [line for _, line in by_rank]
     yield results
     shutil.rmtree(root, ignore_errors=True)
 
@@ -93,3 +97,11 @@ def test_a_sharded_checkpoint_of_another_layout_is_refused_in_one_line():
     check_layout(torch.tensor([2, 1]), SimpleNamespace(tp_size=2, size=1))
     with pytest.raises(UsageError, match=r"written at --tp_size 2 on 1 data-parallel ranks, and this run has 4 on 1"):
         check_layout(torch.tensor([2, 1]), SimpleNamespace(tp_size=4, size=1))
+
+
+def test_a_sharded_fsdp_checkpoint_resumed_at_another_tp_size_is_refused_in_one_line(runs):
+    lines = runs["fsdp sharded at tp 4"]
+    assert len(set(lines)) == 1 and lines[0] is not None, lines  # every rank, the same line
+    assert "holds tensors of other shapes than this run's (Size mismatch between saved" in lines[0], lines[0]
+    assert lines[0].endswith("resume it with the sizes that wrote it (--tp_size), or start afresh without --resume")
+    assert "\n" not in lines[0]
