@@ -1,0 +1,134 @@
+"""One executor for every schedule: it runs a rank's list of actions (`schedules.py`) on its stage.
+
+- **Forward of micro-batch i**: receive the input from the stage before (the first stage embeds
+  its tokens instead), run the stage, keep the input and the output (backward needs them: the
+  output's graph holds the saved activations), and send the output, detached, to the stage after.
+  The last stage's output is the summed loss, scaled as the loop scales it (`step.train_step`: by
+  the data-parallel world size over the global batch's target count), so that every stage's
+  gradients come out as one process's.
+- **Backward of micro-batch i**: receive the gradient of the output from the stage after (the last
+  stage starts from its scaled loss), run backward from the output, and send the input's gradient
+  to the stage before. The micro-batch's graph is then freed.
+
+Gradients add up over the micro-batches, as under the loop's gradient accumulation: after the last
+backward the stage's parameters hold the step's gradient, for the optimizer to step.
+
+**Deadlock, refused before the first message.** A receive waits until its message comes, so a
+table in which rank 0 waits for rank 1 while rank 1 waits for rank 0 hangs for ever (gloo's
+timeout, minutes later, names neither the action nor the schedule). `check` plays the whole table
+first, without computing: sends are put on a queue per direction and cut (they never block, as
+`isend` does not), a receive takes the head of its queue or waits. Every rank's list must end;
+if they all wait, the table is refused in one line that says who waits for whom. A receive that
+would find another micro-batch at the head of its queue is refused too: point-to-point messages
+between two ranks arrive in the order they were sent (NCCL matches them so; gloo without tags
+too), so it would compute on the wrong micro-batch's activations without a word.
+"""
+
+from collections import deque
+
+from minidist.parallel.pipeline import p2p
+
+
+def check(actions_by_rank: list[list[tuple[str, int]]], m: int) -> None:
+    """Refuse, in one line, a table that is not one forward and one backward of each of the `m`
+    micro-batches per rank, forward first, or whose ranks would wait for each other (module doc)."""
+    for rank, actions in enumerate(actions_by_rank):
+        expected = sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        if sorted(actions) != expected:
+            raise ValueError(f"rank {rank}'s schedule must run F and B of each of the {m} micro-batches once")
+        if any(actions.index(("B", i)) < actions.index(("F", i)) for i in range(m)):
+            raise ValueError(f"rank {rank}'s schedule runs a micro-batch's backward before its forward")
+    _play(actions_by_rank)
+
+
+def _play(actions_by_rank: list[list[tuple[str, int]]]) -> None:
+    """Run the table's messages, not its computation; refuse if it cannot finish (module doc)."""
+    pp = len(actions_by_rank)
+    forward = [deque() for _ in range(pp)]  # forward[r]: activations on their way from r to r + 1
+    backward = [deque() for _ in range(pp)]  # backward[r]: gradients on their way from r + 1 to r
+    done = [0] * pp
+    while any(done[r] < len(actions_by_rank[r]) for r in range(pp)):
+        moved = False
+        for rank in range(pp):
+            while done[rank] < len(actions_by_rank[rank]):
+                kind, i = actions_by_rank[rank][done[rank]]
+                inbox, peer = (forward[rank - 1], rank - 1) if kind == "F" else (backward[rank], rank + 1)
+                if 0 <= peer < pp:  # the first stage's forward and the last's backward receive nothing
+                    if not inbox:
+                        break  # waits: another rank must move first
+                    if inbox[0] != i:
+                        raise ValueError(f"schedule out of order: rank {rank}'s {kind}{i} would receive micro-batch "
+                                         f"{inbox[0]}'s {'activations' if kind == 'F' else 'gradient'} from rank {peer}")
+                    inbox.popleft()
+                if kind == "F" and rank + 1 < pp:
+                    forward[rank].append(i)
+                if kind == "B" and rank > 0:
+                    backward[rank - 1].append(i)
+                done[rank], moved = done[rank] + 1, True
+        if not moved:
+            waiting = []
+            for rank in range(pp):
+                if done[rank] < len(actions_by_rank[rank]):
+                    kind, i = actions_by_rank[rank][done[rank]]
+                    waiting.append(f"rank {rank} at {kind}{i} waits for rank {rank - 1 if kind == 'F' else rank + 1}")
+            raise ValueError("this schedule would deadlock: " + ", ".join(waiting))
+
+
+class Executor:
+    """Runs tables of actions on `stage` (a `stages.Stage`), whose rank in `group` is its place in
+    the pipeline. `dp_size`: the data-parallel world the loss is scaled by, as in `step.train_step`.
+
+    `peak_held`: after a step, the most micro-batches whose activations this stage held at once
+    (GPipe: m; 1F1B: at most p - rank)."""
+
+    def __init__(self, stage, group=None, dp_size: int = 1):
+        self.stage, self.group, self.dp_size = stage, group, dp_size
+        parameter = next(stage.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.peak_held = 0
+
+    def step(self, actions_by_rank: list, micro_batches: list[dict], num_targets: int):
+        """Forward and backward of one step's micro-batches in this rank's order; return the step's
+        summed loss (not scaled) on the last stage, None on the others."""
+        if len(actions_by_rank) != self.stage.pp:
+            raise ValueError(f"the schedule has {len(actions_by_rank)} ranks, the pipeline {self.stage.pp} stages")
+        check(actions_by_rank, len(micro_batches))
+        self.held, self.sends, self.peak_held = {}, [], 0
+        self.loss_sum = None
+        for kind, i in actions_by_rank[self.stage.rank]:
+            if kind == "F":
+                self.forward(i, micro_batches[i], num_targets)
+            else:
+                self.backward(i, micro_batches[i])
+        for work, _ in self.sends:  # every send has arrived before the step ends (and its tensor may go)
+            work.wait()
+        self.sends = []
+        return self.loss_sum
+
+    def forward(self, i: int, batch: dict, num_targets: int) -> None:
+        stage, rank = self.stage, self.stage.rank
+        shape = p2p.activation_shape(batch, stage.config.hidden_size)
+        # The received activations become a leaf of this stage's graph: backward gives their gradient.
+        inputs = None if stage.is_first else p2p.recv(shape, self.dtype, self.device, rank - 1, self.group)
+        if inputs is not None:
+            inputs.requires_grad_(True)
+        output = stage(inputs, batch)
+        if stage.is_last:
+            self.loss_sum = output.detach() if self.loss_sum is None else self.loss_sum + output.detach()
+            output = output * self.dp_size / num_targets  # the loop's scale: see step.train_step
+        else:
+            sent = output.detach()
+            self.sends.append((p2p.send(sent, rank + 1, self.group), sent))
+        self.held[i] = (inputs, output)
+        self.peak_held = max(self.peak_held, len(self.held))
+
+    def backward(self, i: int, batch: dict) -> None:
+        stage, rank = self.stage, self.stage.rank
+        inputs, output = self.held.pop(i)  # the graph of micro-batch i goes with them after this
+        if stage.is_last:
+            output.backward()
+        else:
+            shape = p2p.activation_shape(batch, stage.config.hidden_size)
+            output.backward(p2p.recv(shape, self.dtype, self.device, rank + 1, self.group))
+        if not stage.is_first:
+            self.sends.append((p2p.send(inputs.grad, rank - 1, self.group), inputs.grad))

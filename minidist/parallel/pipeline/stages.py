@@ -1,0 +1,91 @@
+"""A Hugging Face `LlamaForCausalLM` cut by depth into `pp` contiguous stages.
+
+Stage 0 holds the token embedding and the first decoder layers; the last stage holds the last
+layers, the final norm, the head and the loss; the stages between hold decoder layers only. Each
+rank keeps its own stage's modules (the same `nn.Module` objects as the model's, so parameter
+names and weights are the model's) and nothing else.
+
+**The balance rule: equal layers, the remainder to the middle stages, then to the first.** With
+L layers on p stages every stage gets L // p, and the L % p left over go one each to the middle
+stages (1, 2, ...), which carry neither the embedding nor the head; if there are more left over
+than middle stages (p = 2 with L odd, or L % p = p - 1), the next one goes to the first stage.
+Never to the last: it also computes the head and the loss, 2·h·V FLOPs per token on top of its
+layers (for CodeLlama-7b, h = 4,096 and V = 32,016, about two thirds of a decoder layer's 24·h²),
+while the first stage's embedding is a lookup, no FLOPs. A pipeline runs at its slowest stage's
+pace, so the extra layer goes where it is cheapest.
+
+**What each stage computes for itself.** Hugging Face's `LlamaModel.forward` makes two things
+once, before the first layer, that every layer needs: the rotary position embeddings (cos and
+sin, from `model.rotary_emb` on position ids 0..s-1) and the causal mask (from the batch's
+attention mask, by `create_causal_mask`). Neither has weights to learn nor depends on the hidden
+states beyond their shape, so instead of sending them along, every stage computes them again from
+its own copy of the micro-batch (every stage of a pipeline reads the same micro-batches: token
+ids are a few bytes next to the hidden states). Only the hidden states cross a cut (`p2p.py`).
+
+Tied input and output embeddings would put one matrix on the first and the last stage, whose
+two gradients must be summed every step; this module refuses them (CodeLlama's are untied).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def balance(num_layers: int, pp: int) -> list[range]:
+    """The layers of each stage, by the rule in the module doc: equal, the remainder to the middle
+    stages, then to the first."""
+    if pp > num_layers:
+        raise ValueError(f"--pp_size {pp} is larger than the model's {num_layers} decoder layers: "
+                         f"every stage needs at least one")
+    if pp < 1:
+        raise ValueError(f"--pp_size must be at least 1, not {pp}")
+    sizes = [num_layers // pp] * pp
+    takers = list(range(1, pp - 1)) + [0]  # the middle stages first, then the first; never the last
+    for stage in takers[:num_layers % pp]:
+        sizes[stage] += 1
+    starts = [sum(sizes[:stage]) for stage in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+class Stage(nn.Module):
+    """Stage `rank` of `pp`: the modules of `model` (a `LlamaForCausalLM`) this rank runs.
+
+    `forward(hidden, batch)`: the first stage ignores `hidden` and embeds `batch["input_ids"]`;
+    every stage runs its layers; the last returns the micro-batch's summed next-token loss (as the
+    loop's `step.token_loss_sum`), the others their output hidden states."""
+
+    def __init__(self, model: nn.Module, rank: int, pp: int):
+        super().__init__()
+        config = model.config
+        if getattr(config, "tie_word_embeddings", False):
+            raise ValueError("pipeline parallelism needs untied embeddings: a tied matrix would sit on the first "
+                             "and the last stage at once")
+        self.rank, self.pp, self.config = rank, pp, config
+        self.is_first, self.is_last = rank == 0, rank == pp - 1
+        self.layer_ids = balance(config.num_hidden_layers, pp)[rank]
+        self.layers = nn.ModuleList(model.model.layers[i] for i in self.layer_ids)
+        self.rotary_emb = model.model.rotary_emb  # no weights (a buffer of frequencies): every stage has one
+        self.embed_tokens = model.model.embed_tokens if self.is_first else None
+        self.norm = model.model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.is_first:
+            hidden = self.embed_tokens(batch["input_ids"])
+        # What LlamaModel.forward computes before its first layer, from the batch alone (module doc).
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=batch["attention_mask"],
+                                  cache=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                           position_ids=position_ids)
+        if not self.is_last:
+            return hidden
+        logits = self.lm_head(self.norm(hidden))
+        # As step.token_loss_sum: position t predicts token t+1, -100 is ignored, the softmax in fp32 at least.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100,
+                               reduction="sum")
