@@ -121,11 +121,26 @@ def sabotaged(name: str | None):
         setattr(owner, attribute, original)
 
 
+def eval_mode_after_cut(sequence_parallel: bool = True) -> dict:
+    """A model cut while in eval mode (as `from_pretrained` hands it over): its modules' modes, and
+    its whole-vocabulary logits against the whole model's, on a sequence not cut evenly."""
+    reference = tiny_llama().eval()
+    model = copy.deepcopy(reference)
+    llama.parallelize_llama(model, dist.group.WORLD, sequence_parallel)
+    ids = batch(reference.config.vocab_size, lengths=(7,))["input_ids"]  # 7 tokens: no even cut
+    with torch.no_grad():
+        mine, whole = (m(input_ids=ids, use_cache=False).logits for m in (model, reference))
+    return {"modes": {m.training for m in model.modules()}, "worst": (mine - whole).abs().max().item()}
+
+
 def cases(arguments: list[dict]) -> list[dict]:
     """`parity(**a)` for each of `arguments`, in this one launch (a launch costs more than a case);
     a case that refuses (ValueError) gives its message instead."""
     results = []
     for a in arguments:
+        if a == "eval mode":
+            results.append(eval_mode_after_cut())
+            continue
         try:
             results.append(parity(**a))
         except ValueError as error:

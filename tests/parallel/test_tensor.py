@@ -29,9 +29,9 @@ def results():
     two = ([{"tp_args": {"sequence_parallel": sp}, "steps": 2, "sabotage": name} for name, sp in SABOTAGE]
            + [{"tp_args": {"sequence_parallel": sp}} for _, sp in PARITY[2]]
            + [{"tp_args": {"tie": True}, "steps": 2}]
-           + [{"tp_args": tp_args} for tp_args, _ in REFUSED])
+           + [{"tp_args": tp_args} for tp_args, _ in REFUSED] + ["eval mode"])
     keys = ([("sabotage", name, sp) for name, sp in SABOTAGE] + [("parity", sp) for _, sp in PARITY[2]] + [("tied",)]
-            + [("refused", i) for i in range(len(REFUSED))])
+            + [("refused", i) for i in range(len(REFUSED))] + [("eval mode",)])
     four = [{"tp_args": {"sequence_parallel": sp}} for _, sp in PARITY[4]]
     by_rank_2 = launch(tensor_workers.cases, 2, two, timeout_s=600)
     by_rank_4 = launch(tensor_workers.cases, 4, four, timeout_s=600)
@@ -76,3 +76,11 @@ def test_each_operator_collective_is_needed(results, sabotage, sequence_parallel
 def test_a_size_that_does_not_divide_the_heads_is_refused_in_one_sentence(results, case):
     error, expected = results[2, "refused", case][0]["refused"], REFUSED[case][1]
     assert error.startswith(expected) and "\n" not in error, error
+
+
+def test_a_model_cut_in_eval_mode_stays_in_it_and_generates_whole_logits(results):
+    # from_pretrained hands over a model in eval mode; the cut's new modules must not start training
+    # (under sequence parallelism a row-parallel exit would then reduce-scatter what was never split).
+    result = results[2, "eval mode"][0]
+    assert result["modes"] == {False}
+    assert result["worst"] < 1e-10, result["worst"]

@@ -132,6 +132,7 @@ def parallelize_llama(model: nn.Module, group, sequence_parallel: bool = False) 
     if sequence_parallel:
         model.model.layers[0].register_forward_pre_hook(EnterBlock(group, True, split=True), with_kwargs=True)
         model.model.norm = SequenceParallelRMSNorm(model.model.norm, group)
+    model.train(model.training)  # the new modules start in training mode: give them the model's (from_pretrained: eval)
     vocab, padded = model.config.vocab_size, padded_vocab_size(model.config.vocab_size, tp)
     if padded == vocab:
         return []
