@@ -37,7 +37,7 @@
 #
 # Each run is slurm/chess_finetune.sh (srun, torchrun, rendezvous), in a folder of its own,
 # OUTPUT_DIR/tp4 and OUTPUT_DIR/tp2-fsdp2, with the accumulation this script computes for its data-
-# parallel ranks (chess_finetune.sh's own log line counts every GPU as one; the flag wins).
+# parallel ranks (chess_finetune.sh computes the same from --tp_size, and says so in its log line).
 # Environment variables: as chess_finetune.sh (TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, MODEL, ...).
 #
 #SBATCH --job-name=lesson11-tensor-parallel

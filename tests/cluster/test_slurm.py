@@ -76,7 +76,10 @@ LESSONS = {
     "11_tensor_parallel": {"trains": False, "env": {"GPUS_PER_NODE": "4"},
                            "log": ["lesson 11 (splitting a layer): tp 4, then tp 2 x FSDP 2, on one node",
                                    "minidist/ddp x tensor-parallel 4 on 4 x cpu", "minidist/fsdp x tensor-parallel 2 on 4 x cpu",
-                                   "tp4 step 2: rank 0 sent", "tp2-fsdp2 step 2: rank 0 sent"]},
+                                   "tp4 step 2: rank 0 sent", "tp2-fsdp2 step 2: rank 0 sent",
+                                   # chess_finetune.sh splits the batch over the data-parallel ranks only
+                                   "accumulation over 1 data-parallel rank(s) (4 GPUs / --tp_size 4)",
+                                   "accumulation over 2 data-parallel rank(s) (4 GPUs / --tp_size 2)"]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
 VENV_BIN = Path(sys.executable).parent
