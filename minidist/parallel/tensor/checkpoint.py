@@ -34,8 +34,9 @@ and this module makes both out of the slices:
 A full save joins one tensor at a time, and only rank 0 keeps the whole state: the other ranks of
 its tp group hold one whole tensor at a time (`joined_on_rank0`). A sharded checkpoint records its
 tp size and number of data-parallel ranks (`LAYOUT`), and a resume at another layout is refused in
-one line (a full checkpoint is the way to change it) once DCP has read it. Under FSDP, DCP stops
-first, with its own error: the rows it would read have another shape than the ones it was given.
+one line (a full checkpoint is the way to change it) once DCP has read it. Under FSDP, DCP's
+planner stops first, since the rows it would read have another shape than the ones it was given;
+`checkpoint/data_only.py` says that in one line too.
 """
 
 import torch
