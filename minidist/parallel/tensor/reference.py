@@ -61,7 +61,8 @@ What we found in torch 2.13, on CPU ranks with gloo (all of it runs there; nothi
   DTensor); they are tied again after, both sharded by vocabulary rows.
 
 Only tensor parallelism is here. torchtitan composes it with data parallelism by calling
-`fully_shard` on the data dimension of a 2-D mesh afterwards, on the DTensor parameters.
+`fully_shard` on the data dimension of a 2-D mesh afterwards, on the DTensor parameters, and so
+does the loop (`--impl torch --strategy fsdp --tp_size T`: `strategy.TorchFSDP`).
 """
 
 import torch
