@@ -32,6 +32,12 @@
         tensor/whole.py  the slices joined (the final model) and the gradient's norm over them
         tensor/checkpoint.py  checkpoints of a cut model: sharded, or full at any tp size
         tensor/reference.py   PyTorch's own tensor parallelism on the same Llama, the reference
+    12  pipeline/        pipeline parallelism: the model cut by depth into stages, micro-batches
+                         streamed through them
+        pipeline/stages.py     the cut (the balance rule), and what each stage computes for itself
+        pipeline/p2p.py        activations forward and their gradients back, by isend / irecv
+        pipeline/schedules.py  GPipe and 1F1B as plain lists of actions per rank
+        pipeline/executor.py   one executor for any list, which refuses one that would deadlock
 
 Measurement, not taught: `across_nodes.py` splits `comm.py`'s byte count into the bytes within a
 node and across nodes, and the tensor-parallel group's, for metrics.jsonl (a subscriber of
