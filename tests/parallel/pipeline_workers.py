@@ -88,8 +88,7 @@ def run(schedule, m, sabotage=None):
     pp, rank = dist.get_world_size(), dist.get_rank()
     model = tiny_llama()
     stage = stages.Stage(model, rank, pp)
-    names = {id(p): n for n, p in model.named_parameters()}
-    mine = {names[id(p)]: p for p in stage.parameters()}
+    mine = stage.names(model)
     del model  # this rank keeps its stage only
     optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
     run_step = (ScaledPerMicroBatch if sabotage == "scale" else executor.Executor)(stage)

@@ -83,6 +83,14 @@ def test_balance_gives_the_remainder_to_the_middle_stages_then_the_first():
     assert "\n" not in str(refused.value)
 
 
+def test_tied_embeddings_are_refused_in_one_line():
+    model = pipeline_workers.tiny_llama(num_layers=2)
+    model.config.tie_word_embeddings = True  # the flag is what the stage reads
+    with pytest.raises(ValueError, match="^pipeline parallelism needs untied embeddings") as refused:
+        stages.Stage(model, 1, 2)
+    assert "\n" not in str(refused.value)
+
+
 def test_the_schedules_print_as_in_the_papers():
     assert schedules.show(schedules.table("1f1b", 4, 2)) == ("rank 0: F0 F1 B0 F2 B1 F3 B2 B3\n"
                                                            "rank 1: F0 B0 F1 B1 F2 B2 F3 B3")

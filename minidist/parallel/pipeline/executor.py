@@ -22,6 +22,12 @@ if they all wait, the table is refused in one line that says who waits for whom.
 would find another micro-batch at the head of its queue is refused too: point-to-point messages
 between two ranks arrive in the order they were sent (NCCL matches them so; gloo without tags
 too), so it would compute on the wrong micro-batch's activations without a word.
+
+**Checked on CPU ranks (gloo) only.** On GPUs, NCCL runs the sends and receives between two ranks
+in one stream, in order, and a send may not finish until its receive is posted: in 1F1B's steady
+state a stage sends its output and then receives a gradient from the same neighbour, which sends
+a gradient and then receives that output. Megatron-LM posts such a pair together
+(`batch_isend_irecv`); this executor does not yet, and has not run on NCCL.
 """
 
 from collections import deque

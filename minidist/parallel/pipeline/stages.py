@@ -1,9 +1,10 @@
 """A Hugging Face `LlamaForCausalLM` cut by depth into `pp` contiguous stages.
 
 Stage 0 holds the token embedding and the first decoder layers; the last stage holds the last
-layers, the final norm, the head and the loss; the stages between hold decoder layers only. Each
-rank keeps its own stage's modules (the same `nn.Module` objects as the model's, so parameter
-names and weights are the model's) and nothing else.
+layers, the final norm, the head and the loss; the stages between hold decoder layers only. A
+`Stage` takes its modules from the loaded model (the same `nn.Module` objects, so the weights are
+the model's and `names` gives their names in it); the caller then drops the model, and the other
+stages' layers go with it.
 
 **The balance rule: equal layers, the remainder to the middle stages, then to the first.** With
 L layers on p stages every stage gets L // p, and the L % p left over go one each to the middle
@@ -68,6 +69,12 @@ class Stage(nn.Module):
         self.embed_tokens = model.model.embed_tokens if self.is_first else None
         self.norm = model.model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+
+    def names(self, model: nn.Module) -> dict:
+        """This stage's parameters by their names in `model`, the model it was cut from (checkpoints
+        and the optimizer's state keep the whole model's names)."""
+        mine = {id(p) for p in self.parameters()}
+        return {name: p for name, p in model.named_parameters() if id(p) in mine}
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
