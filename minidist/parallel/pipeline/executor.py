@@ -102,6 +102,9 @@ class Executor:
         self.held, self.sends, self.peak_held = {}, [], 0
         self.loss_sum = None
         for kind, i in actions_by_rank[self.stage.rank]:
+            # A sent tensor is kept until its send is done, not until the step ends: the activations
+            # sent by GPipe's m forwards would otherwise all live to the end, whatever the schedule.
+            self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
             if kind == "F":
                 self.forward(i, micro_batches[i], num_targets)
             else:
