@@ -112,11 +112,12 @@ def test_a_sharded_checkpoint_leaves_host_shards_on_the_host(world_of_one):
 
     model, optimizer = offloaded_zero()
     cuda_mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)  # what NCCL ranks save on
-    mesh = SimpleNamespace(shard_rank=0, shard_group=model.group, replicate_rank=0, replicate_group=None,
-                           shard_device_mesh=lambda: cuda_mesh, placements=lambda: (Shard(0),))
+    mesh = SimpleNamespace(rank=0, size=1, shard_rank=0, shard_group=model.group, replicate_rank=0,
+                           replicate_group=None, tp_size=1, tp_group=None, shard_device_mesh=lambda: cuda_mesh,
+                           placements=lambda: (Shard(0),))
     model_sd, optim_sd = flat_state.get_state_dict(model, optimizer, False, world_of_one, mesh)
     pieces = []
-    for key, flat in flat_state._keyed(model):
+    for key, flat in flat_state.keyed_flats(model):
         state = optimizer.state[flat.shard]
         pieces += [(model_sd[key], flat.shard)] + [(optim_sd["flats"][key][m], state[m]) for m in flat_state.MOMENTS]
     assert len(pieces) == 3 * len(model.buckets) > 3
