@@ -3,8 +3,12 @@
 Stage 0 holds the token embedding and the first decoder layers; the last stage holds the last
 layers, the final norm, the head and the loss; the stages between hold decoder layers only. A
 `Stage` takes its modules from the loaded model (the same `nn.Module` objects, so the weights are
-the model's and `names` gives their names in it); the caller then drops the model, and the other
-stages' layers go with it.
+the model's) and keeps them under the names they had there: stage 1 of 2 on a 4-layer Llama holds
+`model.layers.2.…`, `model.layers.3.…`, `model.norm.weight` and `lm_head.weight`. So a stage's
+state dict, its optimizer state and its checkpoint shards are keyed as the whole model's, and the
+stages' dicts together are the whole model's (`pipeline/loop.py` joins them for the final model
+and a full checkpoint, which then loads at any pp size). The caller then drops the model, and the
+other stages' layers go with it.
 
 **The balance rule: equal layers, the remainder to the middle stages, then to the first.** With
 L layers on p stages every stage gets L // p, and the L % p left over go one each to the middle
@@ -53,7 +57,8 @@ class Stage(nn.Module):
 
     `forward(hidden, batch)`: the first stage ignores `hidden` and embeds `batch["input_ids"]`;
     every stage runs its layers; the last returns the micro-batch's summed next-token loss (as the
-    loop's `step.token_loss_sum`), the others their output hidden states."""
+    loop's `step.token_loss_sum`; `loss_sum` computes it, replaced under tensor parallelism), or its
+    logits when the batch has no labels (generation), the others their output hidden states."""
 
     def __init__(self, model: nn.Module, rank: int, pp: int):
         super().__init__()
@@ -64,15 +69,26 @@ class Stage(nn.Module):
         self.rank, self.pp, self.config = rank, pp, config
         self.is_first, self.is_last = rank == 0, rank == pp - 1
         self.layer_ids = balance(config.num_hidden_layers, pp)[rank]
-        self.layers = nn.ModuleList(model.model.layers[i] for i in self.layer_ids)
-        self.rotary_emb = model.model.rotary_emb  # no weights (a buffer of frequencies): every stage has one
-        self.embed_tokens = model.model.embed_tokens if self.is_first else None
-        self.norm = model.model.norm if self.is_last else None
-        self.lm_head = model.lm_head if self.is_last else None
+        self._no_split_modules = getattr(model, "_no_split_modules", None)  # the FSDPs' unit classes
+        # The whole model's names (module doc): `model.layers.<i>` keyed by the layer's index in the
+        # whole model, not in the stage.
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in self.layer_ids})
+        self.model.rotary_emb = model.model.rotary_emb  # no weights (a buffer of frequencies): every stage has one
+        if self.is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        if self.is_last:
+            self.model.norm, self.lm_head = model.model.norm, model.lm_head
+        self.loss_sum = _cross_entropy_sum  # tensor parallelism: the loss from the vocabulary's slices
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """This stage's decoder layers, in order."""
+        return list(self.model.layers.values())
 
     def names(self, model: nn.Module) -> dict:
-        """This stage's parameters by their names in `model`, the model it was cut from (checkpoints
-        and the optimizer's state keep the whole model's names)."""
+        """This stage's parameters by their names in `model`, the model it was cut from: the names
+        they have in the stage too (module doc)."""
         mine = {id(p) for p in self.parameters()}
         return {name: p for name, p in model.named_parameters() if id(p) in mine}
 
@@ -80,19 +96,29 @@ class Stage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         if self.is_first:
-            hidden = self.embed_tokens(batch["input_ids"])
+            hidden = self.model.embed_tokens(batch["input_ids"])
         # What LlamaModel.forward computes before its first layer, from the batch alone (module doc).
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # Training numbers the positions 0..s-1, as LlamaModel does; generation's left-padded prompts
+        # bring their own (`pipeline/generate.py`), as Hugging Face's `generate` numbers them.
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=batch["attention_mask"],
                                   cache=None, position_ids=position_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
                            position_ids=position_ids)
         if not self.is_last:
             return hidden
-        logits = self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.model.norm(hidden))
+        if "labels" not in batch:  # generation (`pipeline/generate.py`): the logits themselves
+            return logits
         # As step.token_loss_sum: position t predicts token t+1, -100 is ignored, the softmax in fp32 at least.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100,
-                               reduction="sum")
+        return self.loss_sum(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy over the whole vocabulary, -100 ignored (as `step.cross_entropy_sum`)."""
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
