@@ -6,7 +6,7 @@ for minidist's own implementation under the skeleton's names. Each check runs th
 minidist's own classes and compares with what does not depend on the file being checked: the
 library's all-reduce (01), a plain copy of the model whose gradients the library averages (02,
 04 in fp32), one process on the whole global batch (03), the unsharded model's loss (05), the whole
-block in one process (11); and with
+block in one process (11), the whole Llama trained in one process (12); and with
 minidist's own implementation beside it where only it knows the answer (ZeRO's bf16 step, FSDP's
 gradient shards and bytes). It also watches what a right answer must do besides the numbers: the
 bytes sent, when a bucket's all-reduce starts, how much gathered memory stays alive. What
@@ -23,6 +23,8 @@ command checks one source per launch, where `launch` ends that cleanly.
 import ast
 import importlib.util
 import os
+import re
+import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +48,7 @@ EXERCISES = {
     "04_zero2_step": (2, "ZeRO-2's step on 2 gloo ranks, fp32 and bf16", ("ShardedOptimizer",)),
     "05_fsdp_gather_free": (2, "FSDP's gather and free on 2 gloo ranks", ("Unit",)),
     "11_tensor_parallel": (2, "the backward of tensor parallelism's f on 2 gloo ranks", ("CopyToTensorParallel",)),
+    "12_pipeline_parallel": (4, "1F1B's list of actions, run on 4 gloo stages", ("one_f_one_b",)),
 }
 
 
@@ -71,7 +74,7 @@ def exercise_of(path: Path) -> str:
     for name in EXERCISES:
         if path.name.startswith(name[:3]):
             return name
-    raise CheckError(f"{path}: no EXERCISE = \"...\" line and no lesson number (01_ to 05_, 11_) in its name: keep the "
+    raise CheckError(f"{path}: no EXERCISE = \"...\" line and no lesson number (01_ to 05_, 11_, 12_) in its name: keep the "
                      "skeleton's EXERCISE line")
 
 
@@ -168,6 +171,9 @@ def _own(name: str):
     if name == "CopyToTensorParallel":
         from minidist.parallel.tensor.ops import CopyToTensorParallel
         return CopyToTensorParallel
+    if name == "one_f_one_b":
+        from minidist.parallel.pipeline.schedules import one_f_one_b
+        return one_f_one_b
     from minidist.parallel.fsdp import Unit
     return Unit
 
@@ -792,9 +798,83 @@ def _f_gradient_problem(got, expected, local, n) -> str:
     return f"the block's input gradient is wrong ({where}). Hint: the sum over the ranks of `grad`, the same on each"
 
 
+
+# ---------------------------------------------------------------------------------- 12: 1F1B's list
+PIPELINE_MICRO_BATCHES = (2, 8)  # fewer micro-batches than the 4 stages (the warm-up capped), and more
+# executor.check's refusal -> the hint: what in a 1F1B list makes it
+TABLE_HINTS = {
+    "must run F and B": "every rank runs F i and B i once for each i in range(m): cap the warm-up at m",
+    "backward before its forward": "a micro-batch's backward comes after its forward, on every stage",
+    "out of order": ("backwards go in micro-batch order, 0 first, in the steady state and the cool-down: a stage "
+                     "receives gradients in the order the next stage sent them"),
+    "deadlock": "stage rank warms up with p - 1 - rank forwards (at most m), then runs one forward, one backward",
+}
+
+
+def check_one_f_one_b(load_solution) -> list[str]:
+    """The learner's lists, one per stage, checked by `executor.check`, then run by the executor on a
+    4-layer Llama over 4 stages (tests/parallel/pipeline_workers.run: 2 AdamW steps, float64) against
+    the whole model in one process; and each stage's peak of held micro-batches against 1F1B's."""
+    from minidist.parallel.pipeline import executor, schedules
+
+    if str(ROOT / "tests" / "parallel") not in sys.path:  # the pipeline tests' model, batches and reference
+        sys.path.insert(0, str(ROOT / "tests" / "parallel"))
+    import pipeline_workers
+
+    one_f_one_b = load_solution().one_f_one_b
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    problems = []
+    # Under the name "1f1b", the learner's function makes the table (schedules.table calls it once per rank).
+    with mock.patch.dict(schedules.SCHEDULES, {"1f1b": one_f_one_b}):
+        for m in PIPELINE_MICRO_BATCHES:
+            table = schedules.table("1f1b", m, pp)
+            try:
+                executor.check(table, m)
+            except ValueError as e:  # the same table on every rank: every rank stops here, in step
+                hint = next((h for fragment, h in TABLE_HINTS.items() if fragment in str(e)), TABLE_HINTS["deadlock"])
+                named = int(re.search(r"rank (\d+)", str(e)).group(1))  # the rank the refusal names first
+                its = " ".join(f"{kind}{i}" for kind, i in table[named])
+                return [(f"with m = {m} micro-batches on {pp} stages, executor.check refuses the table: {e}. "
+                         f"Your list for rank {named}: {its}. Hint: {hint}")]
+            result = pipeline_workers.run("1f1b", m)
+            problems += _pipeline_parity_problems(result, m, rank, pp)
+            problems += _held_problems(result["peak_held"], table[rank], m, rank, pp)
+    return problems
+
+
+def _pipeline_parity_problems(result: dict, m: int, rank: int, pp: int) -> list[str]:
+    problems = []
+    if rank == pp - 1:
+        for step, (mine, expected) in enumerate(zip(result["losses"], result["reference"])):
+            if abs(mine - expected) > 1e-10 * abs(expected):
+                problems.append(f"with m = {m}, step {step}'s loss is {mine:.10g}, one process's {expected:.10g}")
+    name, worst = max(result["worst"].items(), key=lambda kv: kv[1])
+    if worst > 1e-10:
+        problems.append(f"with m = {m}, the weight {name} after 2 steps is {worst:.3g} (relative) from one process's")
+    return problems
+
+
+def _held_problems(held: int, actions: list, m: int, rank: int, pp: int) -> list[str]:
+    """1F1B holds exactly min(m, p - rank) micro-batches' activations at its peak on stage `rank`."""
+    expected = min(m, pp - rank)
+    if held == expected:
+        return []
+    said = (f"with m = {m}, this stage held {held} micro-batches' activations at once; 1F1B holds min(m, p - rank) "
+            f"= {expected}")
+    if actions == [("F", i) for i in range(m)] + [("B", i) for i in range(m)]:
+        return [(f"{said}: your list is GPipe's (every forward, then every backward). Hint: start the backwards "
+                 "once the pipeline is full: after p - 1 - rank forwards, one forward then one backward")]
+    if held == expected + 1:
+        return [(f"{said}. Hint: one forward too many before the first backward: the warm-up is p - 1 - rank "
+                 "forwards, and the steady state's first forward makes p - rank")]
+    if held < expected:
+        return [(f"{said}: the pipeline is never full, and the stages wait (the bubble grows). Hint: warm up "
+                 "with p - 1 - rank forwards (at most m)")]
+    return [f"{said}. Hint: alternate one forward and one backward after the warm-up of p - 1 - rank forwards"]
+
 CHECKS = {"01_ring_all_reduce": check_ring, "02_bucket_hook": check_bucket_hook, "03_accumulation": check_accumulation,
           "04_zero2_step": check_zero2_step, "05_fsdp_gather_free": check_fsdp_gather_free,
-          "11_tensor_parallel": check_copy_to_tp_backward}
+          "11_tensor_parallel": check_copy_to_tp_backward, "12_pipeline_parallel": check_one_f_one_b}
 
 # (text in the exception, the hint): mistakes whose first sign is an exception, in every exercise
 ANY_EXERCISE = [("Timed out", "a rank waited a minute for a peer that never came: a send without the neighbour's "

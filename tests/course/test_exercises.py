@@ -314,6 +314,40 @@ class Unit(fsdp.Unit):
         return out
 """, ["incorrect number of gradients", "None for the group"]),
     },
+    "12_pipeline_parallel": {
+        # GPipe's order: right gradients, every micro-batch held.
+        "gpipe": ("""
+def one_f_one_b(m, pp, rank):
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+""", ["held 8 micro-batches' activations", "your list is GPipe's"]),
+        # A warm-up of p - rank forwards: one micro-batch more held on every stage.
+        "warmup_p_minus_rank": ("""
+def one_f_one_b(m, pp, rank):
+    warmup = min(pp - rank, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(m - warmup, m)]
+""", ["1F1B holds min(m, p - rank)", "one forward too many"]),
+        # The cool-down's backwards newest first.
+        "cooldown_reversed": ("""
+def one_f_one_b(m, pp, rank):
+    warmup = min(pp - 1 - rank, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in reversed(range(m - warmup, m))]
+""", ["executor.check refuses the table: schedule out of order", "in micro-batch order"]),
+        # The warm-up not capped at m: forwards of micro-batches that do not exist.
+        "uncapped": ("""
+def one_f_one_b(m, pp, rank):
+    warmup = pp - 1 - rank
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(max(m - warmup, 0)):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(max(m - warmup, 0), m)]
+""", ["with m = 2 micro-batches", "cap the warm-up at m"]),
+    },
 }
 
 
