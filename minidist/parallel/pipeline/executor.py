@@ -28,9 +28,30 @@ in one stream, in order, and a send may not finish until its receive is posted: 
 state a stage sends its output and then receives a gradient from the same neighbour, which sends
 a gradient and then receives that output. Megatron-LM posts such a pair together
 (`batch_isend_irecv`); this executor does not yet, and has not run on NCCL.
+
+**The timeline: when each action computed.** After a step, `timeline` lists this rank's actions
+as `(kind, i, start, end)`, in seconds from the step's start, and `step_time` is when the step
+ended (its last send done). The interval is the computation only: it starts after the receive
+returns (waiting for a neighbour is the bubble, the idle time being measured, not work) and ends
+before the send is posted. `bubble.py` turns it into each stage's idle fraction. Two clock reads
+per action: nothing else changes, so the parity is the same with or without anyone reading it.
+The clock is the host's (`time.perf_counter`). On CPU that is when the work ran; on CUDA the host
+only queues kernels and runs ahead, so on a CUDA device every reading first waits for the device
+(`torch.cuda.synchronize`), which costs the overlap of a send with the next computation.
+
+**`no_sync`: gradients reduced once per step.** Under data parallelism a wrapper reduces the
+gradients during backward. Every micro-batch's backward but the step's last need not: their
+gradients only add up locally. `Executor(..., no_sync=...)` takes a zero-argument callable that
+returns a context manager (`lambda: strategy.no_sync(model)`) and runs every backward of this
+rank's list inside it except the last one in the list, as `step.train_step` does for the loop's
+micro-batches; after that backward the reduced gradients are the step's.
 """
 
+import time
 from collections import deque
+from contextlib import nullcontext
+
+import torch
 
 from minidist.parallel.pipeline import p2p
 
@@ -83,15 +104,21 @@ def _play(actions_by_rank: list[list[tuple[str, int]]]) -> None:
 class Executor:
     """Runs tables of actions on `stage` (a `stages.Stage`), whose rank in `group` is its place in
     the pipeline. `dp_size`: the data-parallel world the loss is scaled by, as in `step.train_step`.
+    `no_sync`: None, or a zero-argument callable returning a context manager, entered around every
+    backward of this rank's list but the last (module doc).
 
-    `peak_held`: after a step, the most micro-batches whose activations this stage held at once
-    (GPipe: m; 1F1B: at most p - rank)."""
+    After a step: `peak_held`, the most micro-batches whose activations this stage held at once
+    (GPipe: m; 1F1B: at most p - rank); `timeline`, this rank's actions as (kind, i, start, end),
+    and `step_time`, the step's end, in seconds from the step's start (module doc)."""
 
-    def __init__(self, stage, group=None, dp_size: int = 1):
-        self.stage, self.group, self.dp_size = stage, group, dp_size
-        parameter = next(stage.parameters())
-        self.dtype, self.device = parameter.dtype, parameter.device
+    def __init__(self, stage, group=None, dp_size: int = 1, no_sync=None, module=None, dtype=None, device=None):
+        self.stage, self.group, self.dp_size, self.no_sync = stage, group, dp_size, no_sync
+        self.module = stage if module is None else module  # what runs the stage: it, or a data-parallel wrapper
+        parameter = next(stage.parameters(), None)  # what crosses a cut has the compute dtype, on the stage's device
+        self.dtype = dtype or parameter.dtype
+        self.device = device or parameter.device
         self.peak_held = 0
+        self.timeline, self.step_time, self.start = [], 0.0, 0.0
 
     def step(self, actions_by_rank: list, micro_batches: list[dict], num_targets: int):
         """Forward and backward of one step's micro-batches in this rank's order; return the step's
@@ -99,45 +126,63 @@ class Executor:
         if len(actions_by_rank) != self.stage.pp:
             raise ValueError(f"the schedule has {len(actions_by_rank)} ranks, the pipeline {self.stage.pp} stages")
         check(actions_by_rank, len(micro_batches))
+        actions = actions_by_rank[self.stage.rank]
+        last_backward = max(n for n, (kind, _) in enumerate(actions) if kind == "B")
         self.held, self.sends, self.peak_held = {}, [], 0
         self.loss_sum = None
-        for kind, i in actions_by_rank[self.stage.rank]:
+        self.timeline, self.start = [], self.now()
+        for n, (kind, i) in enumerate(actions):
             # A sent tensor is kept until its send is done, not until the step ends: the activations
             # sent by GPipe's m forwards would otherwise all live to the end, whatever the schedule.
             self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
             if kind == "F":
                 self.forward(i, micro_batches[i], num_targets)
             else:
-                self.backward(i, micro_batches[i])
+                # Only the last backward reduces across data-parallel ranks: the others just add up.
+                with nullcontext() if self.no_sync is None or n == last_backward else self.no_sync():
+                    self.backward(i, micro_batches[i])
         for work, _ in self.sends:  # every send has arrived before the step ends (and its tensor may go)
             work.wait()
         self.sends = []
+        self.step_time = self.now() - self.start
         return self.loss_sum
+
+    def now(self) -> float:
+        """The host's clock, in seconds; on CUDA once the device has finished what was queued (module doc)."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def forward(self, i: int, batch: dict, num_targets: int) -> None:
         stage, rank = self.stage, self.stage.rank
         shape = p2p.activation_shape(batch, stage.config.hidden_size)
         # The received activations become a leaf of this stage's graph: backward gives their gradient.
         inputs = None if stage.is_first else p2p.recv(shape, self.dtype, self.device, rank - 1, self.group)
+        start = self.now()  # after the receive: waiting for it is idle time, not this stage's work
         if inputs is not None:
             inputs.requires_grad_(True)
-        output = stage(inputs, batch)
+        output = self.module(inputs, batch)
         if stage.is_last:
             self.loss_sum = output.detach() if self.loss_sum is None else self.loss_sum + output.detach()
             output = output * self.dp_size / num_targets  # the loop's scale: see step.train_step
-        else:
-            sent = output.detach()
-            self.sends.append((p2p.send(sent, rank + 1, self.group), sent))
         self.held[i] = (inputs, output)
         self.peak_held = max(self.peak_held, len(self.held))
+        self.timeline.append(("F", i, start - self.start, self.now() - self.start))  # before the send is posted
+        if not stage.is_last:
+            sent = output.detach()
+            self.sends.append((p2p.send(sent, rank + 1, self.group), sent))
 
     def backward(self, i: int, batch: dict) -> None:
         stage, rank = self.stage, self.stage.rank
         inputs, output = self.held.pop(i)  # the graph of micro-batch i goes with them after this
         if stage.is_last:
+            start = self.now()
             output.backward()
         else:
             shape = p2p.activation_shape(batch, stage.config.hidden_size)
-            output.backward(p2p.recv(shape, self.dtype, self.device, rank + 1, self.group))
+            gradient = p2p.recv(shape, self.dtype, self.device, rank + 1, self.group)
+            start = self.now()  # after the receive, as in forward
+            output.backward(gradient)
+        self.timeline.append(("B", i, start - self.start, self.now() - self.start))  # before the send is posted
         if not stage.is_first:
             self.sends.append((p2p.send(inputs.grad, rank - 1, self.group), inputs.grad))
