@@ -1,0 +1,147 @@
+"""PyTorch's own pipeline beside the hand-written one: the same stages run by
+`torch.distributed.pipelining`'s `ScheduleGPipe` and `Schedule1F1B`, as the reference the lesson
+and the tests compare `executor.py` with.
+
+Both cut the model the same way: PyTorch's manual `PipelineStage` is built around the very
+`stages.Stage` the hand-written executor runs (`stages.balance` chose its layers), so the two
+differ only in how the micro-batches are scheduled and sent. The loss is the executor's too: the
+last stage's summed token loss, scaled in PyTorch's `loss_fn` by the data-parallel size over the
+global batch's target count (`step.py`'s module doc says why a sum over the global count), and
+the micro-batches are the loop's gradient-accumulation steps.
+
+**What crosses, and why through a thin module.** `Stage.forward(hidden, batch)` takes a dict;
+PyTorch's stage calls its module as `module(*args, **kwargs)` and treats the two differently:
+
+- the positional arguments are what crosses a cut. Stage 0 gets them from the caller (its token
+  ids, which it embeds); every other stage gets them from the stage before, in a buffer PyTorch
+  allocated from the shape it was told, and sends their gradient back. So the only positional
+  argument is the token ids on stage 0 and the hidden states after it, as in `p2p.py`.
+- the keyword arguments never cross: each rank hands its own copy of the micro-batch's attention
+  mask and labels to its own stage (every stage reads the same micro-batches, `stages.py`), and
+  PyTorch gives them to the module as they are. The last stage computes its loss from its labels.
+
+PyTorch's schedule also wants a `target` per micro-batch on the last stage, to pass to `loss_fn`;
+the labels go there too, but `loss_fn` does not need them: the stage has already summed the loss.
+
+**Shapes told, not inferred.** Given an example input and output (on the meta device: no memory),
+a `PipelineStage` is "static": it skips the dry run by which it would otherwise infer the shapes
+(a real forward and backward of the first micro-batch, and a pickled shape message per cut). Every
+rank knows the shapes from its own micro-batches, as the hand-written receive does. Before its
+first step the stages still vote, one int32 forward and one back per cut, on whether every stage
+was told its shapes.
+
+**Fixed shapes per step.** A `PipelineStage` allocates its receive buffers once, one per
+micro-batch (activations and gradients), at the shape it was told: the micro-batches of a step
+must all have it. The loop collates each micro-batch to its own longest sequence, so this executor
+right-pads every micro-batch of a step to the step's longest (attention mask 0, labels -100: no
+loss, no gradient, and the real tokens' positions unchanged), and builds a new stage and schedule
+when that shape changes from the last step's (and so votes again).
+
+**1F1B needs m >= p in PyTorch.** `Schedule1F1B` refuses fewer micro-batches than stages, where
+the hand-written table caps its warm-up (`schedules.py`); with m < p its first stages run every
+forward before any backward anyway, so here "1f1b" with m < p runs `ScheduleGPipe`, which computes
+the same gradients. `schedule_class` says which ran.
+
+**Not counted by `comm.counter`.** PyTorch sends with its own `isend` / `batch_isend_irecv`, not
+through `p2p.py`, so the bytes the hand-written pipeline counts are not counted here; the tests
+count them by wrapping `torch.distributed.isend`.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from minidist.parallel.pipeline import schedules
+
+
+class StageModule(nn.Module):
+    """`stage` (a `stages.Stage`) as PyTorch's stage calls it: what crosses positional, the rest
+    as keywords (module doc). Its parameters are the stage's, the same tensors."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, crossing: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        batch = {"attention_mask": attention_mask, "labels": labels}
+        if self.stage.is_first:
+            return self.stage(None, {"input_ids": crossing, **batch})
+        return self.stage(crossing, batch)
+
+
+class TorchExecutor:
+    """Runs one step's micro-batches on `stage` with PyTorch's schedule `schedule_name` ("gpipe" or
+    "1f1b"), `m` micro-batches per step; `group`: the pipeline's process group (None: the world), in
+    which the stage's rank is its place; `dp_size`: the data-parallel world the loss is scaled by.
+
+    `step(micro_batches, num_targets)` takes what `executor.Executor.step` takes, less the table."""
+
+    # PyTorch's default divides the gradients by m after the step (right for a loss averaged per
+    # micro-batch); this loss is already divided by the global batch's target count.
+    scale_grads = False
+
+    def __init__(self, stage, schedule_name: str, m: int, group=None, dp_size: int = 1):
+        schedules.table(schedule_name, m, stage.pp)  # the hand-written executor's refusals, in its words
+        if dist.get_rank(group) != stage.rank or dist.get_world_size(group) != stage.pp:
+            raise ValueError(f"stage {stage.rank} of {stage.pp} must run on rank {stage.rank} of a group of "
+                             f"{stage.pp}, not rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
+        self.stage, self.m, self.group, self.dp_size = stage, m, group, dp_size
+        self.module = StageModule(stage)
+        use_1f1b = schedule_name == "1f1b" and m >= stage.pp  # PyTorch refuses 1F1B with m < p (module doc)
+        self.schedule_class = Schedule1F1B if use_1f1b else ScheduleGPipe
+        parameter = next(stage.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.shape, self.schedule = None, None
+
+    def step(self, micro_batches: list[dict], num_targets: int):
+        """Forward and backward of the step's micro-batches by PyTorch's schedule; return the step's
+        summed loss (not scaled) on the last stage, None on the others."""
+        if len(micro_batches) != self.m:
+            raise ValueError(f"this pipeline was built for {self.m} micro-batches per step, not {len(micro_batches)}")
+        batch = padded(micro_batches)
+        self.build(batch["input_ids"].shape)
+        self.num_targets, self.loss_sum = num_targets, None
+        inputs = (batch["input_ids"],) if self.stage.is_first else ()
+        target = batch["labels"] if self.stage.is_last else None
+        # PyTorch cuts the concatenated batch back into the m micro-batches (equal rows: the same cut).
+        self.schedule.step(*inputs, target=target, return_outputs=False, attention_mask=batch["attention_mask"],
+                           labels=batch["labels"])
+        return self.loss_sum
+
+    def loss_fn(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss for backward, as the executor's: the summed token loss the stage
+        returned, times dp_size over the global batch's targets (`target` is not needed: module doc).
+        The unscaled sum is kept for `step` to return."""
+        self.loss_sum = loss_sum.detach() if self.loss_sum is None else self.loss_sum + loss_sum.detach()
+        return loss_sum * self.dp_size / self.num_targets
+
+    def build(self, shape: torch.Size) -> None:
+        """A stage and a schedule told the shapes of micro-batches cut from a batch of `shape`
+        (rows, tokens), unless the last step's were the same (module doc: fixed shapes)."""
+        if shape == self.shape:
+            return
+        rows, tokens = shape[0] // self.m, shape[1]
+        hidden = torch.empty(rows, tokens, self.stage.config.hidden_size, dtype=self.dtype, device="meta",
+                             requires_grad=True)  # requires_grad: a gradient comes back for it
+        ids = torch.empty(rows, tokens, dtype=torch.long, device="meta")
+        loss = torch.empty((), dtype=torch.promote_types(self.dtype, torch.float32), device="meta", requires_grad=True)
+        pipeline_stage = PipelineStage(self.module, self.stage.rank, self.stage.pp, self.device,
+                                       input_args=ids if self.stage.is_first else hidden,
+                                       output_args=loss if self.stage.is_last else hidden, group=self.group)
+        self.schedule = self.schedule_class(pipeline_stage, self.m, loss_fn=self.loss_fn, scale_grads=self.scale_grads)
+        self.shape = shape
+
+
+def padded(micro_batches: list[dict]) -> dict:
+    """The micro-batches right-padded to the longest and concatenated by rows: PyTorch's stage needs
+    one shape for every micro-batch of a step (module doc). Padding adds no loss and no gradient."""
+    rows = {len(batch["input_ids"]) for batch in micro_batches}
+    if len(rows) > 1:
+        raise ValueError(f"PyTorch's pipeline needs micro-batches of equal rows, not {sorted(rows)}")
+    tokens = max(batch["input_ids"].shape[1] for batch in micro_batches)
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {key: torch.cat([F.pad(batch[key], (0, tokens - batch[key].shape[1]), value=value)
+                            for batch in micro_batches])
+            for key, value in fill.items()}
