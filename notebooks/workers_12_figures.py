@@ -23,7 +23,9 @@ hidden state forward and its gradient back, once per step.
 import sys
 from pathlib import Path
 
+from minidist.memory.pipeline import held_micro_batches
 from minidist.parallel.pipeline import executor, schedules
+from minidist.parallel.tensor.traffic import fsdp_bytes_per_layer
 
 FIGURES = Path(__file__).resolve().parents[1] / "lessons" / "figures"
 HIDDEN_7B = 4096  # CodeLlama-7b's hidden size (its config.json)
@@ -60,16 +62,6 @@ def bubble(timed: list[list[tuple]]) -> list[float]:
     return [1 - sum(end - start for _, _, start, end in row) / span for row in timed]
 
 
-def held(actions: list[tuple[str, int]]) -> int:
-    """The most micro-batches whose activations one rank holds at once (a forward adds one, a
-    backward frees one): the count `Executor.peak_held` measures."""
-    now = peak = 0
-    for kind, _ in actions:
-        now += 1 if kind == "F" else -1
-        peak = max(peak, now)
-    return peak
-
-
 def pipeline_bytes(tokens: int, pp: int, hidden: int = HIDDEN_7B, element_bytes: int = 2) -> float:
     """What the busiest rank of a pipeline of `pp` stages sends per step, for `tokens` tokens through
     the pipeline (all its micro-batches): the hidden states forward and, for a middle stage, their
@@ -87,7 +79,7 @@ def print_tables() -> None:
         table = schedules.table(name, 8, 4)
         print(f"{name}, p = 4, m = 8:\n{schedules.show(table)}")
         print(f"  idle share by rank (played, F = 1, B = 2): {[round(b, 4) for b in bubble(play(table))]}; "
-              f"formula (p-1)/(m+p-1) = {3 / 11:.4f}; held: {[held(row) for row in table]}")
+              f"formula (p-1)/(m+p-1) = {3 / 11:.4f}; held: {[held_micro_batches(name, 8, 4, r) for r in range(4)]}")
     for seq in (512, 4096):
         tokens = 32 * seq
         print(f"\nBytes per GPU per step, CodeLlama-7b, global batch 32 sequences of {seq} tokens (GB), bf16:")
@@ -96,11 +88,14 @@ def print_tables() -> None:
             tp = workers_11_figures.step_bytes(gpus, gpus, 32, seq)["total"]
             pp = pipeline_bytes(tokens, gpus)
             print(f"  {gpus} GPUs: FSDP {gpus} {fsdp / 1e9:6.2f} | TP {gpus} {tp / 1e9:7.2f} | PP {gpus} {pp / 1e9:6.3f}")
-        # 2 nodes of 4 GPUs: pp 2 across the nodes, FSDP 4 inside each (each stage's 16 layers and its root part).
-        inside = workers_11_figures.step_bytes(4, 1, 32, seq)["total"] / 2
+        # 2 nodes of 4 GPUs: pp 2 across the nodes, FSDP 4 inside each over its stage's 16 layers (the
+        # embedding or the head left out). FSDP gathers a layer again for every micro-batch: m = 1 and 8.
+        inside = [16 * float(fsdp_bytes_per_layer(workers_11_figures.LAYER_PARAMS, 4, gather_bytes=2, reduce_bytes=4,
+                                                  micro_batches=m)) for m in (1, 8)]
         across = pipeline_bytes(tokens // 4, 2)  # each GPU's share of the batch crosses the cut once
         print(f"  8 GPUs, pp 2 across 2 nodes x FSDP 4 inside: across the nodes {across / 1e6:.1f} MB per GPU "
-              f"(one NIC each); inside a node about {inside / 1e9:.1f} GB per GPU (FSDP 4 over half the model)")
+              f"(one NIC each, each way); inside a node (NVLink) {inside[0] / 1e9:.1f} GB per GPU in 1 micro-batch, "
+              f"{inside[1] / 1e9:.1f} GB in 8")
 
 
 # ------------------------------------------------------------------------------------------ figures
@@ -124,7 +119,7 @@ def draw_schedules(m: int = 8, pp: int = 4, png: Path | None = None):
         ax.set_xlim(0, max(row[-1][3] for row in timed))
         ax.set_ylim(-0.1, pp)
         ax.set_yticks([pp - 1 - r + 0.45 for r in range(pp)])
-        ax.set_yticklabels([f"rank {r}\nholds {held(table[r])}" for r in range(pp)], fontsize=8)
+        ax.set_yticklabels([f"rank {r}\nholds {held_micro_batches(name, m, pp, r)}" for r in range(pp)], fontsize=8)
         ax.set_title(f"{'GPipe' if name == 'gpipe' else '1F1B'}: schedules.table({name!r}, m={m}, pp={pp}); "
                      f"each rank idle {idle[0]:.1%} of the step, (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.1%}",
                      fontsize=10, loc="left")
