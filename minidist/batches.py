@@ -42,6 +42,27 @@ def collate(sequences, pad_token_id, multiple: int = 1):
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def left_padded(tokenizer, prompts: list[str], max_new_tokens: int, max_length: int | None):
+    """The prompts' token ids, cut to fit the context and padded on the left, and their attention mask:
+    generation's batch (`chess/legal_moves.py`, `parallel/pipeline/generate.py`), where every prompt
+    must end at the last column, the one the next token is read from. With `max_length`, a prompt
+    keeps its last `max_length - max_new_tokens` tokens."""
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    if max_length is not None:
+        keep = max_length - max_new_tokens
+        if keep < 1:
+            raise ValueError(f"a context of {max_length} positions leaves no room for a prompt and "
+                             f"{max_new_tokens} new tokens")
+        encoded = [ids[-keep:] for ids in encoded]
+    width = max(len(ids) for ids in encoded)
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(encoded):
+        ids[row, width - len(seq):] = torch.tensor(seq)
+        mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
 class GlobalBatchSampler:
     """Which examples each rank uses at each step, with the data order set by the seed alone.
 

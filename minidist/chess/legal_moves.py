@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
+from minidist.batches import left_padded
 from minidist.parallel.fsdp import FullyShardedDataParallel
 
 RESULTS = ("1-0", "0-1", "1/2-1/2", "*")  # the last word of every game: python-chess's board.result()
@@ -143,29 +144,12 @@ def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, d
     With `max_length` (the model's context), a prompt keeps only its last `max_length -
     max_new_tokens` tokens: the moves next to the one asked for matter most, and a model with
     learned positions (GPT-2) has no embedding for a position past its context at all."""
-    ids, mask = _left_padded(tokenizer, prompts, max_new_tokens, max_length)
+    ids, mask = left_padded(tokenizer, prompts, max_new_tokens, max_length)
     with _ready_to_generate(model) as (generator, sharded):
         out = generator.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                                  max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=None,
                                  pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded)
     return [tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out.tolist()]
-
-
-def _left_padded(tokenizer, prompts: list[str], max_new_tokens: int, max_length: int | None):
-    """The prompts' token ids, cut to fit the context and padded on the left, and their attention mask."""
-    encoded = [tokenizer(p)["input_ids"] for p in prompts]
-    if max_length is not None:
-        keep = max_length - max_new_tokens
-        if keep < 1:
-            raise ValueError(f"a context of {max_length} positions leaves no room for a prompt and {max_new_tokens} new tokens")
-        encoded = [ids[-keep:] for ids in encoded]
-    width = max(len(ids) for ids in encoded)
-    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(encoded):
-        ids[row, width - len(seq):] = torch.tensor(seq)
-        mask[row, width - len(seq):] = 1
-    return ids, mask
 
 
 @contextmanager
@@ -205,9 +189,13 @@ def _ready_to_generate(model):
         yield model, False
 
 
-def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32, group=None) -> dict:
+def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32, group=None,
+                    continue_fn=None) -> dict:
     """The share of prefixes whose greedy next move is legal, over all ranks, or over `group`'s:
-    the data-parallel ranks, when tensor-parallel ranks must judge the same prefixes together."""
+    the data-parallel ranks, when tensor- or pipeline-parallel ranks must judge the same prefixes
+    together. `continue_fn` writes the continuations, with `greedy_continue`'s arguments (None: it);
+    a pipeline stage passes `parallel/pipeline/generate.py`'s `continue_fn(stage, group)`, and its
+    context is read from the stage's config."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     mine = prefixes[rank::world]
     per_rank = -(-len(prefixes) // world)  # every rank loops this many times (see module doc)
@@ -218,7 +206,8 @@ def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_s
     legal, samples = 0, []
     for start in range(0, per_rank, batch_size):
         chunk = padded[start: start + batch_size]
-        outputs = greedy_continue(model, tokenizer, [" ".join(p) for p in chunk], new_tokens, device, context)
+        outputs = (continue_fn or greedy_continue)(model, tokenizer, [" ".join(p) for p in chunk], new_tokens, device,
+                                                   context)
         for i, (prefix, text) in enumerate(zip(chunk, outputs)):
             if start + i < len(mine):  # the padding is not counted
                 legal += first_word_is_legal(prefix, text)
