@@ -25,10 +25,13 @@ the labels go there too, but `loss_fn` does not need them: the stage has already
 
 **Shapes told, not inferred.** Given an example input and output (on the meta device: no memory),
 a `PipelineStage` is "static": it skips the dry run by which it would otherwise infer the shapes
-(a real forward and backward of the first micro-batch, and a pickled shape message per cut). Every
+(a forward and a backward on the first micro-batch's shapes, and a pickled shape message per cut). Every
 rank knows the shapes from its own micro-batches, as the hand-written receive does. Before its
 first step the stages still vote, one int32 forward and one back per cut, on whether every stage
-was told its shapes.
+was told its shapes. (Untold, each cut also carries a pickled shape message each way, an int64 size
+then the pickle, 166 bytes forward here; and the last stage's dry run calls `loss_fn` on empty,
+uninitialised activations, which `loss_fn` below would add to the step's loss. Both were seen by
+running the tests with the shapes left out: the losses came out wrong, one of them NaN.)
 
 **Fixed shapes per step.** A `PipelineStage` allocates its receive buffers once, one per
 micro-batch (activations and gradients), at the shape it was told: the micro-batches of a step
@@ -44,7 +47,14 @@ the same gradients. `schedule_class` says which ran.
 
 **Not counted by `comm.counter`.** PyTorch sends with its own `isend` / `batch_isend_irecv`, not
 through `p2p.py`, so the bytes the hand-written pipeline counts are not counted here; the tests
-count them by wrapping `torch.distributed.isend`.
+count them by wrapping `torch.distributed.isend`: the same activations and gradients as by hand,
+plus the vote.
+
+**What it does not do (yet).** The receive buffers take the parameters' dtype, as the executor's
+do by default: under a mixed-precision autocast what crosses is the compute dtype, which the
+executor can be told and this one cannot. The stage runs as it is, with no data-parallel wrapper
+around it (PyTorch's stage would handle a DDP or FSDP2 module itself: no_sync, and the reduction
+after the last backward). Checked on CPU ranks (gloo) only.
 """
 
 import torch
