@@ -9,9 +9,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from minidist.hf import hub, lora, model_folder, models
-from minidist.runtime.errors import ArgumentParser, one_line_errors
-from minidist.memory import estimator, report
+from minidist.memory import estimator, pipeline, report
 from minidist.parallel.options import ParallelOptions
+from minidist.runtime.errors import ArgumentParser, one_line_errors
 
 
 def checked_source(name: str) -> str:
@@ -54,6 +54,12 @@ def main(argv=None) -> None:
                    help="also trace one step with PyTorch's MemTracker under fake tensors (memory/tracker.py): "
                         "seconds to minutes the first time per setup, then cached")
     ParallelOptions.add_arguments(p)  # the loop's own flags: --strategy, --impl, --mixed_precision, ...
+    loop_flags = {f.name for f in fields(ParallelOptions)}  # the pipeline's, until the loop's options have them
+    if "pp_size" not in loop_flags:
+        p.add_argument("--pp_size", type=int, default=1, help="pipeline stages: print each stage's estimate "
+                       "(memory/pipeline.py); --gradient_accumulation_steps is the micro-batches")
+    if "pp_schedule" not in loop_flags:
+        p.add_argument("--pp_schedule", choices=("gpipe", "1f1b"), default="1f1b", help="with --pp_size")
     p.add_argument("--lora_rank", type=int, metavar="R", help="train rank-R LoRA adapters, the model frozen (lora.py)")
     p.add_argument("--lora_target_modules", help=f"as minidist.finetune's (default {lora.DEFAULT_TARGETS})")
     p.add_argument("--lora_dropout", type=float, help="as minidist.finetune's: its masks are saved (default 0)")
@@ -77,6 +83,10 @@ def main(argv=None) -> None:
         # The activations are traced here (`trace.py`): an architecture that cannot be, says so in one line.
         if args.readme_table:
             print(report.readme_table(shape, setup, gpu_memory))
+            return
+        if args.pp_size > 1:  # one row per stage (memory/pipeline.py)
+            print(pipeline.format_stages(shape, pipeline.data_parallel(setup, args.pp_size), args.pp_size,
+                                         args.pp_schedule or "1f1b", args.gradient_accumulation_steps))
             return
         r = report.report(shape, setup, gpu_memory, trace=args.memtracker)
     print(json.dumps(r, indent=1) if args.json else report.format_report(r))

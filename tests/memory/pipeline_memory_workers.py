@@ -22,10 +22,10 @@ def tiny_model():
     return pipeline_workers.tiny_llama().float()
 
 
-def stage_memory(schedule: str, m: int) -> dict:
+def stage_memory(schedule: str, m: int, whole_step: bool) -> dict:
     """Two steps of this rank's stage; of the second, the peak of held activations
-    (`HeldActivations.peak_bytes`), the whole step's peak of live tensors (`measure.step_peak`), and
-    the model states after the optimizer step."""
+    (`HeldActivations.peak_bytes`), the model states after the optimizer step and, if `whole_step`,
+    the whole step's peak of live tensors (`measure.step_peak`, which slows the step several times)."""
     pp, rank = dist.get_world_size(), dist.get_rank()
     model = tiny_model()
     stage = stages.Stage(model, rank, pp)
@@ -41,12 +41,12 @@ def stage_memory(schedule: str, m: int) -> dict:
 
     step()
     optimizer.zero_grad(set_to_none=True)
-    peak = measure.step_peak(step, stage, optimizer, torch.device("cpu"))
+    peak = measure.step_peak(step, stage, optimizer, torch.device("cpu")) if whole_step else step()
     states = measure.model_state_bytes(stage, optimizer)  # after the step, before zero_grad
     optimizer.zero_grad(set_to_none=True)
     return {"activations": run.peak_bytes, "held": run.peak_held, "peak": peak, **states}
 
 
 def cases(specs: list) -> list:
-    """`stage_memory` of every (schedule, m) of this launch, in order."""
+    """`stage_memory` of every (schedule, m, whole_step) of this launch, in order."""
     return [stage_memory(*spec) for spec in specs]
