@@ -15,7 +15,7 @@ import pytest
 from minidist.parallel.pipeline import bubble, executor, schedules, stages
 from minidist.runtime.launch import launch
 
-# A model whose stages are equal (a small vocabulary: the head is 4% of a layer) and whose
+# A model whose stages are equal (a small vocabulary: the head is 4% of a 2-layer stage) and whose
 # micro-batches are big enough that computing dominates the messages (bubble.py's module doc).
 SIZES = {"hidden": 256, "layers": 4, "vocab": 256, "sequences": 8, "length": 64, "steps": 4}
 CASES = [(name, m) for name in ("gpipe", "1f1b") for m in (1, 2, 4)]

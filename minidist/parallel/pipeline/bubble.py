@@ -22,13 +22,15 @@ fifth, m = 8 a ninth): that is why a pipeline wants m well above p.
   pipeline runs at its slowest stage's pace, and the others wait for it: with the chess vocabulary
   (1,975 tokens) the head of a hidden-256 model is 0.65 of a decoder layer, a third more work for
   the last of two 2-layer stages, and the first stage then idles more than the formula says, the
-  last less. To check the formula, `measure` takes a small vocabulary (256: the head is 4% of a
-  layer); `--vocab 1975` shows the imbalance.
+  last less. To check the formula, `measure` takes a small vocabulary (256: the head is 8% of a
+  layer, 4% of a 2-layer stage); `--vocab 1975` shows the imbalance.
 - *Shared cores.* The formula gives each stage its own processor. Here 2 cores are shared by the
   p ranks and by whatever else runs: measure with p = 2, one thread per rank
   (`torch.set_num_threads(1)`), or the two ranks' thread pools fight over both cores. At p = 4 on
-  2 cores, two stages computing at once each run at half speed: the busy stretches, and the
-  measured bubble comes out below the formula.
+  2 cores the formula held at m = 1, where one stage computes at a time (0.74 to 0.77 against
+  0.75), but not from m = 4 up: stages that would compute at once take turns on the cores, and a
+  rank whose input has arrived waits for a core; each stage idled 0.36 to 0.67 against 0.43 at
+  m = 4, and 0.43 to 0.67 against 0.27 at m = 8 (one run of the command below, `--pp 4`).
 - *The messages.* A receive's wait is counted as idle (`executor.py`), and it includes gloo
   copying the activations over the loopback; with many small micro-batches, the fixed cost per
   action (Python, a message, small matrix products that run below peak) grows against the compute.
@@ -42,7 +44,7 @@ the ranks' timelines on one axis.
     python -m minidist.parallel.pipeline.bubble --pp 2 --m 1 2 4 8
 
 prints each stage's measured idle fraction (median of the steps, and their range) against the
-formula, on CPU ranks started by `launch`; `--gantt` draws each step as text.
+formula, on CPU ranks started by `launch`; `--gantt` draws each case's last step as text.
 """
 
 import importlib
