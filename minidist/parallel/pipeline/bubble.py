@@ -31,10 +31,12 @@ fifth, m = 8 a ninth): that is why a pipeline wants m well above p.
   0.75), but not from m = 4 up: stages that would compute at once take turns on the cores, and a
   rank whose input has arrived waits for a core; each stage idled 0.36 to 0.67 against 0.43 at
   m = 4, and 0.43 to 0.67 against 0.27 at m = 8 (one run of the command below, `--pp 4`).
-- *The messages.* A receive's wait is counted as idle (`executor.py`), and it includes gloo
-  copying the activations over the loopback; with many small micro-batches, the fixed cost per
-  action (Python, a message, small matrix products that run below peak) grows against the compute.
-  So t_f and t_b are not exactly 1/m of a whole batch's.
+- *The hand-overs.* A receive's wait is counted as idle (`executor.py`), and it includes gloo
+  copying the activations over the loopback and, on a loaded machine, the receiver waiting to be
+  scheduled again: a fixed cost per hand-over, 2m of them per step, against a compute per action
+  that shrinks as 1/m (and runs below peak on small matrices). At p = 2 and m = 8 (one sequence
+  per micro-batch) the stages idled 0.22 to 0.33 of the step, against 0.11 (two runs of the
+  command below, load average 7 to 12); at m = 1, 2 and 4 within 0.1 of the formula.
 
 **The ranks' clocks.** Each rank times its actions from its own step's start. `measure` starts
 the ranks together (a barrier before each step), and a step of the pipeline lasts until its last
