@@ -36,7 +36,7 @@ fifth, m = 8 a ninth): that is why a pipeline wants m well above p.
   scheduled again: a fixed cost per hand-over, 2m of them per step, against a compute per action
   that shrinks as 1/m (and runs below peak on small matrices). At p = 2 and m = 8 (one sequence
   per micro-batch) the stages idled 0.22 to 0.33 of the step, against 0.11 (two runs of the
-  command below, load average 7 to 12); at m = 1, 2 and 4 within 0.1 of the formula.
+  command below, load average 7 to 12); at m = 1, 2 and 4 within 0.12 of the formula.
 
 **The ranks' clocks.** Each rank times its actions from its own step's start. `measure` starts
 the ranks together (a barrier before each step), and a step of the pipeline lasts until its last
