@@ -8,6 +8,8 @@ stage (`pipeline/stages.Stage`), builds the step's micro-batches with the loop's
 *watches*: the loss on the last stage, the bytes `comm.counter` saw sent, the micro-batches' shapes (for
 the formula b x s x h per cut), and how many micro-batches' activations the stage held at once.
 `reference` is the single-process run the pipeline is compared with: the whole model, the same batches.
+`lesson` runs `pipeline` and then the bubble's measurement (`pipeline/bubble.measure`) in the same
+ranks, so that one launch of N ranks does everything the notebook needs of N.
 """
 
 import torch
@@ -20,7 +22,7 @@ from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.hf import models
 from minidist.parallel import comm
-from minidist.parallel.pipeline import executor, schedules, stages
+from minidist.parallel.pipeline import bubble, executor, schedules, stages
 from minidist.step import assemble_micro_batches
 
 
@@ -101,3 +103,14 @@ def reference(model_dir: str, num_steps: int = 2, batch: int = 8, seq_len: int =
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item() / num_targets)
     return losses
+
+
+def lesson(model_dir: str, cases: list[tuple[str, int]], num_steps: int, batch: int, seq_len: int,
+           bubble_tables: list | None = None, bubble_sizes: dict | None = None) -> dict:
+    """One launch for everything the notebook asks of these ranks: `pipeline`'s cases, then, if given,
+    each of `bubble_tables` timed by `bubble.measure` (one thread per rank, its own model of
+    `bubble_sizes`: bubble.py's docstring says why) as (timeline, step_time) per step."""
+    out = {"pipeline": pipeline(model_dir, cases, num_steps, batch, seq_len)}
+    if bubble_tables:
+        out["bubble"] = bubble.measure(bubble_tables, **(bubble_sizes or {}))
+    return out
