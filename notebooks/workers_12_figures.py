@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from minidist.memory.pipeline import held_micro_batches
-from minidist.parallel.pipeline import executor, schedules
+from minidist.parallel.pipeline import bubble, executor, schedules
 from minidist.parallel.tensor.traffic import fsdp_bytes_per_layer
 
 FIGURES = Path(__file__).resolve().parents[1] / "lessons" / "figures"
@@ -55,11 +55,11 @@ def play(actions_by_rank: list[list[tuple[str, int]]], forward: float = 1, backw
     return timed
 
 
-def bubble(timed: list[list[tuple]]) -> list[float]:
-    """Each rank's idle share of the step: the time from the first action's start anywhere to the
-    last's end, less the rank's busy time."""
-    span = max(row[-1][3] for row in timed) - min(row[0][2] for row in timed)
-    return [1 - sum(end - start for _, _, start, end in row) / span for row in timed]
+def idle(timed: list[list[tuple]]) -> list[float]:
+    """Each rank's idle share of the played step (it starts at 0 and ends with the last action), by
+    the measurement's own arithmetic (`pipeline/bubble.idle_fraction`)."""
+    span = max(row[-1][3] for row in timed)
+    return [bubble.idle_fraction(row, span) for row in timed]
 
 
 def pipeline_bytes(tokens: int, pp: int, hidden: int = HIDDEN_7B, element_bytes: int = 2) -> float:
@@ -78,7 +78,7 @@ def print_tables() -> None:
     for name in ("gpipe", "1f1b"):
         table = schedules.table(name, 8, 4)
         print(f"{name}, p = 4, m = 8:\n{schedules.show(table)}")
-        print(f"  idle share by rank (played, F = 1, B = 2): {[round(b, 4) for b in bubble(play(table))]}; "
+        print(f"  idle share by rank (played, F = 1, B = 2): {[round(x, 4) for x in idle(play(table))]}; "
               f"formula (p-1)/(m+p-1) = {3 / 11:.4f}; held: {[held_micro_batches(name, 8, 4, r) for r in range(4)]}")
     for seq in (512, 4096):
         tokens = 32 * seq
@@ -115,13 +115,13 @@ def draw_schedules(m: int = 8, pp: int = 4, png: Path | None = None):
                 ax.add_patch(Rectangle((start, pp - 1 - rank), end - start, 0.9, ec="black", lw=0.6,
                                        fc=colors(i % 10), alpha=0.45 if kind == "F" else 0.95))
                 ax.text((start + end) / 2, pp - 1 - rank + 0.45, f"{kind}{i}", ha="center", va="center", fontsize=8)
-        idle = bubble(timed)
+        shares = idle(timed)
         ax.set_xlim(0, max(row[-1][3] for row in timed))
         ax.set_ylim(-0.1, pp)
         ax.set_yticks([pp - 1 - r + 0.45 for r in range(pp)])
         ax.set_yticklabels([f"rank {r}\nholds {held_micro_batches(name, m, pp, r)}" for r in range(pp)], fontsize=8)
         ax.set_title(f"{'GPipe' if name == 'gpipe' else '1F1B'}: schedules.table({name!r}, m={m}, pp={pp}); "
-                     f"each rank idle {idle[0]:.1%} of the step, (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.1%}",
+                     f"each rank idle {shares[0]:.1%} of the step, (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.1%}",
                      fontsize=10, loc="left")
     axes[-1].set_xlabel("time (a forward takes 1 unit, a backward 2; played from the lists, not measured)")
     fig.tight_layout()
