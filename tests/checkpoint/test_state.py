@@ -27,7 +27,7 @@ from minidist.runtime.launch import launch
 from minidist.hf.models import load_model, load_tokenizer, write_tiny_llama
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
-from interrupted import interrupt_with_torchrun, wait_for_pauses  # noqa: F401 (wait_for_pauses: for the tests below)
+from interrupted import few_games, interrupt_with_torchrun, wait_for_pauses  # noqa: F401 (wait_for_pauses: for the tests below)
 from train_workers import run_finetune, run_finetunes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,15 @@ CASES = {
 }
 
 
-def finetune_args(model, out, impl="torch", strategy="fsdp", *extra):
-    return ["--model", model, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
+@pytest.fixture(scope="module")
+def games(tmp_path_factory):
+    """64 of the bundled games for every run here (8 steps of 4 draw 32 of them): otherwise each rank
+    of each of the module's 30-odd runs tokenizes all 3,000."""
+    return str(few_games(tmp_path_factory.mktemp("games")))
+
+
+def finetune_args(model, games, out, impl="torch", strategy="fsdp", *extra):
+    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
             "--max_steps", "8", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
             "--learning_rate", "3e-3", "--warmup_steps", "2", "--seed", "3", *extra]
 
@@ -54,7 +61,7 @@ def metrics_steps(out: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
+def runs(tiny_model, games, tmp_path_factory):
     """Per strategy, computed once: the uninterrupted run, and the interrupted-then-resumed one.
 
     All the uninterrupted runs share one launch, and so do all the resumed ones (one after the
@@ -63,14 +70,14 @@ def runs(tiny_model, tmp_path_factory):
 
     def run_all():
         roots = {case: tmp_path_factory.mktemp("-".join(case)) for case in CASES}
-        references = launch(run_finetunes, 2, [finetune_args(tiny_model, roots[case] / "reference", *case)
+        references = launch(run_finetunes, 2, [finetune_args(tiny_model, games, roots[case] / "reference", *case)
                                                for case in CASES], timeout_s=600)[0]
         argvs = {}
         for (impl, strategy), reference in zip(CASES, references):
             form, how = CASES[(impl, strategy)]
             root, out = roots[(impl, strategy)], roots[(impl, strategy)] / "out"
-            argvs[(impl, strategy)] = argv = finetune_args(tiny_model, out, impl, strategy, "--checkpoint_format", form,
-                                                           "--save_steps", "4")
+            argvs[(impl, strategy)] = argv = finetune_args(tiny_model, games, out, impl, strategy,
+                                                           "--checkpoint_format", form, "--save_steps", "4")
             pause_at = "save:8" if how == signal.SIGKILL else "step:6"
             first = interrupt_with_torchrun(argv, root / "torchrun.log", how, pause_at)
             first["latest"] = (out / "latest").read_text().strip()
@@ -130,7 +137,7 @@ def test_a_run_killed_by_a_signal_resumes_bitwise(runs, impl, strategy):
 
 
 @pytest.mark.parametrize("impl", ["torch", "minidist"])
-def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, tmp_path, impl):
+def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, games, tmp_path, impl):
     """2 ranks -> 4 -> 2 with the same global batch of 4: DCP reads each rank's slices (FSDP2's
     tensors, or minidist's flat shards, cut into other slices on 4 ranks than on 2).
 
@@ -141,14 +148,14 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, tm
     run = runs(impl, "fsdp")
     out = tmp_path / "out"
     shutil.copytree(run["out"] / "checkpoint-4", out / "checkpoint-4")  # nothing else: no metrics.jsonl
-    four_args = finetune_args(tiny_model, out, impl, "fsdp", "--batch_size_per_device", "1",
+    four_args = finetune_args(tiny_model, games, out, impl, "fsdp", "--batch_size_per_device", "1",
                               "--resume", str(out / "checkpoint-4"), "--save_steps", "2")
     four = launch(run_finetune, 4, four_args, timeout_s=300)[0]
     assert json.loads((out / "checkpoint-6" / "checkpoint.json").read_text())["world_size"] == 4
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]  # kept 2
     # From step 6 again, while latest names step 8: saving step 8 replaces the 4-rank one.
-    two = launch(run_finetune, 2, finetune_args(tiny_model, out, impl, "fsdp", "--resume", str(out / "checkpoint-6"),
-                                                "--save_steps", "2"), timeout_s=300)[0]
+    two = launch(run_finetune, 2, finetune_args(tiny_model, games, out, impl, "fsdp", "--resume",
+                                                str(out / "checkpoint-6"), "--save_steps", "2"), timeout_s=300)[0]
     assert json.loads((out / "checkpoint-8" / "checkpoint.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-6", "checkpoint-8"]
     reference = run["reference"]
@@ -175,10 +182,11 @@ def refuse(argv, capsys) -> str:
     return lines[0]
 
 
-def test_a_broken_or_mismatched_checkpoint_is_refused_in_one_line(runs, tiny_model, tmp_path, capsys):
+def test_a_broken_or_mismatched_checkpoint_is_refused_in_one_line(runs, tiny_model, games, tmp_path, capsys):
     source = runs("torch", "fsdp")["out"] / "checkpoint-8"  # written by 2 FSDP ranks, global batch 4
     # In one process a batch of 4 per device keeps the global batch of 4.
-    args = lambda out, *extra: finetune_args(tiny_model, out, "torch", "fsdp", "--batch_size_per_device", "4", *extra)
+    args = lambda out, *extra: finetune_args(tiny_model, games, out, "torch", "fsdp", "--batch_size_per_device", "4",
+                                             *extra)
 
     assert "--resume: no checkpoint in" in refuse(args(tmp_path / "empty", "--resume"), capsys)
     dangling = tmp_path / "dangling"
@@ -200,9 +208,10 @@ def test_a_broken_or_mismatched_checkpoint_is_refused_in_one_line(runs, tiny_mod
 
     resume = ["--resume", str(source)]
     assert "another strategy (torch/fsdp; this run: torch/ddp)" in refuse(
-        finetune_args(tiny_model, tmp_path / "o", "torch", "ddp", "--batch_size_per_device", "4", *resume), capsys)
+        finetune_args(tiny_model, games, tmp_path / "o", "torch", "ddp", "--batch_size_per_device", "4", *resume),
+        capsys)
     assert "another global batch (4; this run: 2)" in refuse(
-        finetune_args(tiny_model, tmp_path / "o", "torch", "fsdp", *resume), capsys)
+        finetune_args(tiny_model, games, tmp_path / "o", "torch", "fsdp", *resume), capsys)
     other = write_tiny_llama(tmp_path / "other-model", hidden_size=32, num_layers=2)
     line = refuse(args(tmp_path / "o", *resume, "--model", str(other)), capsys)
     # every size the config holds, head_dim too (model_fingerprint)
@@ -244,7 +253,7 @@ def test_rng_states_latest_pointer_and_the_last_k(tiny_model, tmp_path, world_of
     assert torch.equal(torch.rand(3), drawn[2][0]) and random.random() == drawn[2][1]
 
 
-def test_a_signal_stops_the_run_at_a_step_boundary_with_status_75(tiny_model, tmp_path, monkeypatch, capsys):
+def test_a_signal_stops_the_run_at_a_step_boundary_with_status_75(tiny_model, games, tmp_path, monkeypatch, capsys):
     """SIGUSR1, as SLURM sends it, to this very process while it trains in one rank."""
     monkeypatch.setenv("MINIDIST_PAUSE_AT", "step:2")
     out = tmp_path / "out"
@@ -258,21 +267,21 @@ def test_a_signal_stops_the_run_at_a_step_boundary_with_status_75(tiny_model, tm
 
     threading.Thread(target=send_when_step_2_is_logged, daemon=True).start()
     with pytest.raises(SystemExit) as stop:
-        finetune.main(finetune_args(tiny_model, out, "torch", "ddp", "--batch_size_per_device", "4"))
+        finetune.main(finetune_args(tiny_model, games, out, "torch", "ddp", "--batch_size_per_device", "4"))
     assert stop.value.code == preemption.EXIT_STOPPED == 75
     assert f"stopped by SIGUSR1 after step 2: saved {out / 'checkpoint-2'}" in capsys.readouterr().err
     assert (out / "latest").read_text() == "checkpoint-2\n" and metrics_steps(out) == [1, 2]
     assert signal.getsignal(signal.SIGUSR1) is before  # the handlers are put back
 
 
-def test_the_stop_file_stops_the_run_like_a_signal(tiny_model, tmp_path, monkeypatch, capsys):
+def test_the_stop_file_stops_the_run_like_a_signal(tiny_model, games, tmp_path, monkeypatch, capsys):
     """srun drops a warning that comes before its tasks started; the batch script's stop file
     (MINIDIST_STOP_FILE) stands in for it. Here it exists from the start: the run stops after step 1."""
     out, stop_file = tmp_path / "out", tmp_path / "stop-requested"
     stop_file.touch()
     monkeypatch.setenv(preemption.STOP_FILE, str(stop_file))
     with pytest.raises(SystemExit) as stop:
-        finetune.main(finetune_args(tiny_model, out, "torch", "ddp", "--batch_size_per_device", "4"))
+        finetune.main(finetune_args(tiny_model, games, out, "torch", "ddp", "--batch_size_per_device", "4"))
     assert stop.value.code == preemption.EXIT_STOPPED
     assert f"stopped by the stop file {stop_file} after step 1: saved {out / 'checkpoint-1'}" in capsys.readouterr().err
     assert (out / "latest").read_text() == "checkpoint-1\n" and metrics_steps(out) == [1]
