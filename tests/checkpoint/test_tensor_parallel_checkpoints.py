@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from interrupted import few_games
 from train_workers import run_finetunes_then_refusal
 
 from minidist.parallel.tensor.checkpoint import check_layout
@@ -23,9 +24,9 @@ from minidist.runtime.errors import UsageError
 from minidist.runtime.launch import launch
 
 
-def args(model, out, strategy, tp, batch, *extra):
+def args(model, games, out, strategy, tp, batch, *extra):
     """4 steps of the minidist strategy over `tp` tensor-parallel ranks, global batch 4."""
-    return ["--model", model, "--output_dir", str(out), "--impl", "minidist", "--strategy", strategy,
+    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", "minidist", "--strategy", strategy,
             "--max_steps", "4", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device",
             str(batch), "--learning_rate", "3e-3", "--warmup_steps", "2", "--seed", "3",
             *(["--tp_size", str(tp)] if tp > 1 else []), *extra]
@@ -39,6 +40,8 @@ FULL = ("--save_steps", "2", "--checkpoint_format", "full")
 def runs(tiny_model, tmp_path_factory):
     """Every run, by name."""
     root = tmp_path_factory.mktemp("tp-checkpoints")
+    # 64 games (4 steps of 4 draw 16): otherwise each of the 4 ranks of each of the 11 runs tokenizes all 3,000.
+    games = str(few_games(root))
 
     def resume(name):  # --resume from step 2 of run `name`, into a folder of its own
         return ("--resume", str(root / name / "checkpoint-2"))
@@ -46,18 +49,18 @@ def runs(tiny_model, tmp_path_factory):
     # All on one 2 x 2 grid of 4 ranks, in one launch: a global batch of 4 is 2 sequences per
     # data-parallel rank at tp 2, 4 at tp 4, 1 at tp 1 (4 data-parallel ranks, no --tp_size at all).
     batch = {
-        "ddp full": args(tiny_model, root / "ddp-full", "ddp", 2, 2, *FULL),  # uninterrupted: the references
-        "fsdp full": args(tiny_model, root / "fsdp-full", "fsdp", 2, 2, *FULL),
+        "ddp full": args(tiny_model, games, root / "ddp-full", "ddp", 2, 2, *FULL),  # uninterrupted: the references
+        "fsdp full": args(tiny_model, games, root / "fsdp-full", "fsdp", 2, 2, *FULL),
     }
     for strategy in ("ddp", "fsdp"):
         out = root / f"{strategy}-sharded"
-        batch[f"{strategy} sharded"] = args(tiny_model, out, strategy, 2, 2, *SAVE)
-        batch[f"{strategy} sharded resumed"] = args(tiny_model, out, strategy, 2, 2, *SAVE, *resume(out.name))
+        batch[f"{strategy} sharded"] = args(tiny_model, games, out, strategy, 2, 2, *SAVE)
+        batch[f"{strategy} sharded resumed"] = args(tiny_model, games, out, strategy, 2, 2, *SAVE, *resume(out.name))
         for tp, per_rank in ((4, 4), (1, 1)):
-            batch[f"{strategy} tp {tp}"] = args(tiny_model, root / f"{strategy}-tp{tp}", strategy, tp, per_rank,
+            batch[f"{strategy} tp {tp}"] = args(tiny_model, games, root / f"{strategy}-tp{tp}", strategy, tp, per_rank,
                                                 *resume(f"{strategy}-full"))
     # Last, on the same ranks: FSDP's sharded tp 2 checkpoint resumed at tp 4, which DCP's planner refuses.
-    refused = args(tiny_model, root / "fsdp-at-tp4", "fsdp", 4, 4, *resume("fsdp-sharded"))
+    refused = args(tiny_model, games, root / "fsdp-at-tp4", "fsdp", 4, 4, *resume("fsdp-sharded"))
     by_rank = launch(run_finetunes_then_refusal, 4, list(batch.values()), refused, timeout_s=600)
     results = dict(zip(batch, by_rank[0][0]))
     results["fsdp sharded at tp 4"] = [line for _, line in by_rank]
