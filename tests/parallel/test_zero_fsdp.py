@@ -355,13 +355,20 @@ def test_bf16_tracks_fp32_over_20_steps(runs, fp32_losses_20_steps):
         assert run["comm_bytes"] == [(bytes_per_element * run["padded_numel"] - root) * (2 - 1) / 2] * BF16_STEPS
 
 
-def test_zero1_as_an_optimizer_wraps_any_torch_optimizer():
+@pytest.fixture(scope="module")
+def alive_at_once(model_dirs):
+    """The five checks below that each need a backward or two on 2 ranks, in one launch: per rank,
+    {check: its result} (zero_fsdp_workers.alive_at_once_checks)."""
+    from zero_fsdp_workers import alive_at_once_checks
+
+    return launch(alive_at_once_checks, 2, model_dirs["llama4"], timeout_s=300)
+
+
+def test_zero1_as_an_optimizer_wraps_any_torch_optimizer(alive_at_once):
     """`ShardedOptimizer(params, optimizer_class, **kwargs)`, the shape of PyTorch's
     ZeroRedundancyOptimizer: on 2 ranks, around AdamW and around SGD with momentum, it gives the
     weights of the unsharded optimizer, while each rank keeps the states of half the parameters."""
-    from zero_fsdp_workers import sharded_optimizer_matches_its_inner_optimizer
-
-    ranks = launch(sharded_optimizer_matches_its_inner_optimizer, 2, timeout_s=120)
+    ranks = [rank["optimizer"] for rank in alive_at_once]
     for name, states_per_parameter in (("AdamW", 2), ("SGD", 1)):  # AdamW: m and v; SGD: its momentum
         runs = [rank[name] for rank in ranks]
         assert runs[0]["num_buckets"] > 1, "the test should spread the parameters over several buckets"
@@ -405,39 +412,33 @@ def test_backward_through_the_views_of_a_flat_makes_one_full_size_tensor_not_one
 
 
 @pytest.mark.parametrize("collectives_keep_inputs", [False, True], ids=["handles-dropped", "handles-kept"])
-def test_fsdp_keeps_at_most_two_full_unit_gradients_alive(model_dirs, collectives_keep_inputs):
+def test_fsdp_keeps_at_most_two_full_unit_gradients_alive(alive_at_once, collectives_keep_inputs):
     """Each unit's full gradient must go as soon as its reduce-scatter is done, not at the end of
     backward: at 7B a whole model of fp32 gradients (27 GB per GPU) would otherwise pile up. Also
     while the collectives still hold their inputs, as gloo's worker thread does for a moment after
     each one completes (one CI run in six saw 3 alive before `comm._ShardAfter` freed them)."""
-    from zero_fsdp_workers import fsdp_full_gradients_alive_at_once
-
-    for rank in launch(fsdp_full_gradients_alive_at_once, 2, model_dirs["llama4"], collectives_keep_inputs,
-                       timeout_s=120):
+    key = "fsdp handles-kept" if collectives_keep_inputs else "fsdp handles-dropped"
+    for rank in (rank[key] for rank in alive_at_once):
         assert rank["units"] == 5 and rank["reduced"], rank
         assert rank["kept"] == (5 if collectives_keep_inputs else 0), rank
         assert rank["most"] <= 2, f"{rank['most']} of {rank['units']} full unit gradients alive at once"
 
 
-def test_zero2_keeps_at_most_two_flat_gradients_alive(model_dirs):
+def test_zero2_keeps_at_most_two_flat_gradients_alive(alive_at_once):
     """ZeRO-2 holds the bucket being filled and the one on the wire, no more. Backward does not
     produce gradients in the buckets' exact order, and the code before opened a bucket on its
     first gradient: 3 flat gradients at once (one bucket-sized buffer more than the estimate,
     and the benchmark's ZeRO-2 peak 74 MB over its goal on 2 ranks)."""
-    from zero_fsdp_workers import zero2_flat_gradients_alive_at_once
-
-    for rank in launch(zero2_flat_gradients_alive_at_once, 2, model_dirs["llama4"], timeout_s=120):
+    for rank in (rank["zero2"] for rank in alive_at_once):
         assert rank["buckets"] >= 3 and rank["reduced"], rank
         assert rank["most"] <= 2, f"{rank['most']} of {rank['buckets']} flat gradients alive at once"
 
 
-def test_saving_gathers_one_flat_at_a_time_and_only_rank_0_keeps_it(model_dirs):
+def test_saving_gathers_one_flat_at_a_time_and_only_rank_0_keeps_it(alive_at_once):
     """The final model and a full checkpoint are gathered one unit (FSDP) or bucket (ZeRO) at a
     time, copied to rank 0's CPU memory and let go: no rank holds the whole model on its device
     (CodeLlama-7b: 27 GB more per GPU at the last step), and the other ranks keep nothing."""
-    from zero_fsdp_workers import flats_alive_while_saving
-
-    ranks = launch(flats_alive_while_saving, 2, model_dirs["llama4"], timeout_s=120)
+    ranks = [rank["saving"] for rank in alive_at_once]
     for name in ("fsdp", "zero2"):
         first, other = ranks[0][name], ranks[1][name]
         assert first["flats"] > 1 and first["gathers"] == 4 * first["flats"], first  # weights twice, m, v

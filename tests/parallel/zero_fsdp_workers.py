@@ -285,3 +285,13 @@ def flats_alive_while_saving(model_dir):
                          "optim_flats": len(optim_sd.get("flats", {})),
                          "on_cpu": all(t.device.type == "cpu" for t in (weights or {}).values())}
     return results
+
+
+def alive_at_once_checks(model_dir):
+    """Every one-backward check of test_zero_fsdp.py's last tests, one after the other in the same
+    two ranks (one start-up instead of five). Each one puts back what it patched before the next."""
+    return {"optimizer": sharded_optimizer_matches_its_inner_optimizer(),
+            "fsdp handles-dropped": fsdp_full_gradients_alive_at_once(model_dir, False),
+            "fsdp handles-kept": fsdp_full_gradients_alive_at_once(model_dir, True),
+            "zero2": zero2_flat_gradients_alive_at_once(model_dir),
+            "saving": flats_alive_while_saving(model_dir)}
