@@ -97,3 +97,16 @@ def measured_split(model_dir, strategy, mixed_precision, batch, seq, bucket_cap_
     with SplitLiveTensors(env.device, model, optimizer) as live:
         step()
     return {"device": live.device_peak, "host": live.host_peak, "peak": live.peak}
+
+
+def measured_splits(model_dir, cases, batch, seq, games_path):
+    """`measured_split` for each (strategy, precision, bucket_cap_mb) of `cases`, one after the other
+    in the same ranks: one start-up for all of them. Each case's model and optimizer are gone
+    (collected) before the next one is measured."""
+    import gc
+
+    results = []
+    for strategy, precision, bucket_cap_mb in cases:
+        results.append(measured_split(model_dir, strategy, precision, batch, seq, bucket_cap_mb, games_path))
+        gc.collect()
+    return results

@@ -21,7 +21,7 @@ import torch
 
 from minidist.hf import models
 from minidist.runtime.launch import launch
-from offload_workers import measured_split, where_things_live
+from offload_workers import measured_splits, where_things_live
 from reference import train_reference
 from train_workers import run_finetunes
 from zero_fsdp_workers import run_plan
@@ -147,35 +147,35 @@ def test_an_offloaded_run_resumes_bitwise(llama, tmp_path):
         assert checkpoint["step"] == 6
 
 
-@pytest.fixture(scope="module")
-def weighty(tmp_path_factory):
-    """tests/memory/test_memory.py's 4.15M-parameter Llama (4 layers, 256 wide), and games longer than
-    the sequence: full, unpadded micro-batches, as the estimate below assumes (`padded=False`)."""
-    from minidist.chess import jsonl
-    from minidist.chess.games import bundled_games
-
-    root = tmp_path_factory.mktemp("weighty")
-    games = [g for g in jsonl.load_games(bundled_games("test")) if len(g.split()) > SPLIT_SEQ + 8][:64]
-    jsonl.write_games(games, root / "long.jsonl")
-    return str(models.write_tiny_llama(root / "llama")), str(root / "long.jsonl")
-
-
 SPLIT_SEQ, SPLIT_BATCH = 32, 2
 # (strategy, precision, world size): ZeRO-2 with several buckets (1 MiB), FSDP unit by unit. Seen: within
 # 0.1% on the host, 2.0 to 4.1% on the device (ZeRO-2 fp32 on one rank, not listed: 5.5% over the estimate).
 SPLITS = [("zero2", "bf16", 2), ("zero2", "fp32", 2), ("fsdp", "bf16", 2), ("fsdp", "fp32", 1)]
 
 
+@pytest.fixture(scope="module")
+def splits(weighty_model, long_games):
+    """{(strategy, precision, world): per rank, the measured split}, one launch per world size, on
+    conftest's 4.15M-parameter Llama (tests/memory/test_memory.py's) and games longer than the
+    sequence: full, unpadded micro-batches, as the estimate assumes (`padded=False`)."""
+    out = {}
+    for world in sorted({w for *_, w in SPLITS}):
+        cases = [(s, p, w) for s, p, w in SPLITS if w == world]
+        ranks = launch(measured_splits, world, weighty_model, [(s, p, 1.0) for s, p, _ in cases], SPLIT_BATCH,
+                       SPLIT_SEQ, long_games, timeout_s=300)
+        out.update({case: [rank[i] for rank in ranks] for i, case in enumerate(cases)})
+    return out
+
+
 @pytest.mark.parametrize("strategy,precision,world", SPLITS)
-def test_the_estimates_device_and_host_columns_are_the_measured_split(weighty, strategy, precision, world):
+def test_the_estimates_device_and_host_columns_are_the_measured_split(weighty_model, splits, strategy, precision,
+                                                                      world):
     """`memory/sides.py` splits a whole step's live tensors by the side that holds them; the
     estimator's `device` and `host` (`memory/offload_split.py`) within 5% of each, the tolerance
     of tests/memory/test_memory.py's whole-step peaks. Without offload the device would hold both."""
     from minidist.memory import estimator
 
-    model_dir, games = weighty
-    ranks = launch(measured_split, world, model_dir, strategy, precision, SPLIT_BATCH, SPLIT_SEQ, 1.0, games,
-                   timeout_s=300)
+    model_dir, ranks = weighty_model, splits[strategy, precision, world]
     options = {"bucket_cap_mb": 1.0} if strategy == "zero2" else {}
     shape = estimator.model_shape(model_dir)
     common = dict(strategy=strategy, impl="minidist", world_size=world, batch_size_per_device=SPLIT_BATCH,
