@@ -17,15 +17,16 @@ def tiny_model(tmp_path_factory):
     return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", hidden_size=64, num_layers=2))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def weighty_model(tmp_path_factory):
     """The 4.15M-parameter tiny Llama (4 layers, 256 wide): as at 7B, a layer's activations weigh
     about as much as the logits, and the embedding and output layer a small part of the weights.
-    (In the 64-wide conftest model the logits outweigh a layer's activations three times over.)"""
+    (In the 64-wide conftest model the logits outweigh a layer's activations three times over.)
+    Written once per session, as `tiny_model`: three modules read it, and none writes into it."""
     return str(write_tiny_llama(tmp_path_factory.mktemp("weighty") / "llama"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def long_games(tmp_path_factory):
     """64 held-out games of more than 40 moves: at 32 tokens a sequence (tests/memory) every
     micro-batch is full, with no padding, so its bytes are the same from step to step."""
