@@ -17,8 +17,10 @@ from minidist.parallel.options import ADAMW_BETAS
 
 
 def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=torch.float32, frozen=(),
-                    lr_lambda=None, lora_config=None):
+                    lr_lambda=None, lora_config=None, data=None):
     """Return (losses per step, final state_dict, number of trainable parameters).
+
+    data: the games file, as the loop's `--data` (the bundled training games by default).
 
     lora_config: a peft `LoraConfig`, applied with peft's own `get_peft_model` after seeding the
     RNG with `seed` (its A matrices are random)."""
@@ -30,7 +32,7 @@ def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtyp
         model = get_peft_model(model, lora_config)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
-    sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, seq_len)
+    sequences = batches.tokenize_games(jsonl.load_games(data or bundled_games("train")), tokenizer, seq_len)
     sampler = batches.GlobalBatchSampler(len(sequences), global_batch, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, weight_decay=0.0)

@@ -24,7 +24,7 @@ from minidist.runtime.launch import launch
 from in_process import run_here
 from lora_workers import run_lora_finetunes
 from reference import train_reference
-from interrupted import interrupt_with_torchrun
+from interrupted import few_games, interrupt_with_torchrun
 from train_workers import run_finetunes
 
 STEPS, SEQ, LR, SEED, RANK = 4, 48, 3e-3, 3, 4
@@ -49,9 +49,17 @@ CASES = [  # (implementation, strategy, extra flags): 2 ranks x 1 sequence x 2 a
 NCCL_LIKE = [("minidist", "fsdp", [])]
 
 
-def argv_for(model, out, impl, strategy, extra):
+@pytest.fixture(scope="module")
+def games(tmp_path_factory):
+    """64 of the bundled games for the references and every run (4 steps of 4 draw 16): otherwise
+    each rank of each of the module's 30-odd runs tokenizes all 3,000."""
+    return str(few_games(tmp_path_factory.mktemp("games")))
+
+
+def argv_for(model, games, out, impl, strategy, extra):
     name = f"{impl}-{strategy}{''.join(extra)}".replace("--", "-")
-    return ["--model", model, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR),
+    return ["--model", model, "--data", games, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ),
+            "--learning_rate", str(LR),
             "--warmup_steps", "2", "--seed", str(SEED), "--eval_prefixes", "0", "--output_dir", str(out / name),
             "--impl", impl, "--strategy", strategy, "--batch_size_per_device", "1",
             "--gradient_accumulation_steps", "2", "--lora_rank", str(RANK), *extra]
@@ -62,7 +70,7 @@ def targets_of(extra):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_model):
+def references(tiny_model, games):
     """Per target set: the single-process losses and final state (frozen base included)."""
     args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
     out = {}
@@ -70,18 +78,19 @@ def references(tiny_model):
         config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets if isinstance(targets, str)
                             else list(targets), task_type="CAUSAL_LM")
         losses, state, trained = train_reference(tiny_model, steps=STEPS, global_batch=4, seq_len=SEQ, lr=LR, seed=SEED,
-                                                 lr_lambda=lambda s: lr_schedule(s, args), lora_config=config)
+                                                 lr_lambda=lambda s: lr_schedule(s, args), lora_config=config,
+                                                 data=games)
         out[targets if isinstance(targets, str) else "attention"] = losses, state, trained
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
+def runs(tiny_model, games, tmp_path_factory):
     """Every case, and a bf16 FSDP run, in one launch of 2 ranks (starting ranks costs more than a run)."""
     out = tmp_path_factory.mktemp("lora")
-    argvs = [argv_for(tiny_model, out, *case) for case in CASES]
-    argvs.append(argv_for(tiny_model, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))
-    twins = [argv_for(tiny_model, out / "nccl-like", *case) for case in NCCL_LIKE]
+    argvs = [argv_for(tiny_model, games, out, *case) for case in CASES]
+    argvs.append(argv_for(tiny_model, games, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))
+    twins = [argv_for(tiny_model, games, out / "nccl-like", *case) for case in NCCL_LIKE]
     ranks = launch(run_lora_finetunes, 2, argvs + twins, range(len(argvs), len(argvs) + len(twins)), timeout_s=900)
     argvs += twins
     return {tuple(argv): [rank[i] for rank in ranks] for i, argv in enumerate(argvs)}, out
@@ -92,9 +101,10 @@ def reference_for(references, extra):
 
 
 @pytest.mark.parametrize("impl,strategy,extra", CASES)
-def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, references, runs, impl, strategy, extra):
+def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, games, references, runs, impl, strategy,
+                                                                extra):
     results, out = runs
-    argv = argv_for(tiny_model, out, impl, strategy, extra)
+    argv = argv_for(tiny_model, games, out, impl, strategy, extra)
     per_rank = results[tuple(argv)]
     result = per_rank[0]
     ref_losses, ref_state, trained = reference_for(references, extra)
@@ -134,12 +144,12 @@ def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, refe
 
 
 @pytest.mark.parametrize("impl,strategy,extra", NCCL_LIKE)
-def test_lora_under_the_nccl_like_harness_is_the_plain_run(tiny_model, runs, impl, strategy, extra):
+def test_lora_under_the_nccl_like_harness_is_the_plain_run(tiny_model, games, runs, impl, strategy, extra):
     """Adapters' reductions and the frozen base's all-gathers (FSDP) deferred to `wait()`, their
     outputs NaN until then: the plain run's losses, weights and frozen copies, bit for bit."""
     results, out = runs
-    plain = results[tuple(argv_for(tiny_model, out, impl, strategy, extra))]
-    twin = results[tuple(argv_for(tiny_model, out / "nccl-like", impl, strategy, extra))]
+    plain = results[tuple(argv_for(tiny_model, games, out, impl, strategy, extra))]
+    twin = results[tuple(argv_for(tiny_model, games, out / "nccl-like", impl, strategy, extra))]
     for got, want in zip(twin, plain):
         assert got["collectives_deferred"] >= STEPS  # the harness stood in every step's way
         assert got["losses"] == want["losses"]
@@ -149,9 +159,9 @@ def test_lora_under_the_nccl_like_harness_is_the_plain_run(tiny_model, runs, imp
                 assert torch.equal(got[key][name], tensor), name
 
 
-def test_fsdp_keeps_the_frozen_base_in_bf16_and_tracks_fp32(tiny_model, references, runs):
+def test_fsdp_keeps_the_frozen_base_in_bf16_and_tracks_fp32(tiny_model, games, references, runs):
     results, out = runs
-    result = results[tuple(argv_for(tiny_model, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))][0]
+    result = results[tuple(argv_for(tiny_model, games, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))][0]
     ref_losses, ref_state, _ = references["attention"]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-2, atol=0)
     assert not torch.equal(torch.tensor(result["losses"]), torch.tensor(ref_losses))
@@ -161,9 +171,10 @@ def test_fsdp_keeps_the_frozen_base_in_bf16_and_tracks_fp32(tiny_model, referenc
 
 
 @pytest.mark.parametrize("impl,strategy", [("minidist", "fsdp"), ("torch", "ddp"), ("minidist", "zero2")])
-def test_the_saved_adapter_loads_with_peft_and_gives_the_same_logits(tiny_model, runs, impl, strategy):
+def test_the_saved_adapter_loads_with_peft_and_gives_the_same_logits(tiny_model, games, runs, impl, strategy):
     results, out = runs
-    argv = argv_for(tiny_model, out, impl, strategy, next(extra for i, s, extra in CASES if (i, s) == (impl, strategy)))
+    extra = next(extra for i, s, extra in CASES if (i, s) == (impl, strategy))
+    argv = argv_for(tiny_model, games, out, impl, strategy, extra)
     result, folder = results[tuple(argv)][0], Path(argv[argv.index("--output_dir") + 1]) / "model"
     assert (folder / "adapter_config.json").exists() and (folder / "adapter_model.safetensors").exists()
     assert not (folder / "model.safetensors").exists()  # the adapter alone, not the base again
@@ -197,14 +208,14 @@ FULL = [("torch", "ddp", 2, 1), ("torch", "fsdp", 2, 1), ("minidist", "ddp", 2, 
 
 
 @pytest.fixture(scope="module")
-def full_resumes(tiny_model, tmp_path_factory):
+def full_resumes(tiny_model, games, tmp_path_factory):
     """Each strategy with --checkpoint_format full: 4 steps uninterrupted (saving at 2 and 4), then
     resumed in a fresh folder from its checkpoint of step 2: {(impl, strategy): (whole, resumed, folder)}."""
     root = tmp_path_factory.mktemp("lora-full")
 
     def argv(impl, strategy, world, out, *extra):  # a global batch of 4, as `references`: 2 ranks x 2 or 4 x 1
-        return ["--model", tiny_model, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
-                "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR), "--eval_prefixes",
+        return ["--model", tiny_model, "--data", games, "--output_dir", str(out), "--impl", impl,
+                "--strategy", strategy, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR), "--eval_prefixes",
                 "0", "--batch_size_per_device", "1", "--gradient_accumulation_steps", str(4 // world), "--warmup_steps",
                 "2", "--seed", str(SEED), "--lora_rank", str(RANK), "--save_steps", "2", "--checkpoint_format", "full",
                 *extra,
@@ -266,33 +277,49 @@ def test_lora_under_hsdp_matches_one_process(full_resumes, references, impl):
 RESUMED = [("minidist", "fsdp"), ("torch", "ddp")]
 
 
-@pytest.mark.parametrize("impl,strategy", RESUMED)
-def test_a_lora_run_stopped_by_sigterm_resumes_bitwise(tiny_model, tmp_path, impl, strategy):
-    def argv(out, *extra):
-        return ["--model", tiny_model, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
-                "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
-                "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4", *extra]
+@pytest.fixture(scope="module")
+def stopped_runs(tiny_model, games, tmp_path_factory):
+    """Per case: (torchrun's log of the run stopped by SIGTERM, the uninterrupted run, the resumed
+    one). Both cases' references and resumes share one launch: starting the ranks costs more than
+    6 steps (of 4 games: 24 of the 64)."""
+    root = tmp_path_factory.mktemp("lora-sigterm")
 
-    first = interrupt_with_torchrun(argv(tmp_path / "out", "--save_steps", "2"), tmp_path / "torchrun.log",
-                                    signal.SIGTERM, "step:3")
-    assert "stopped by SIGTERM after step 3: saved" in first["log"], first["log"][-2000:]
-    reference, resumed = launch(run_finetunes, 2, [argv(tmp_path / "reference"),
-                                                   argv(tmp_path / "out", "--save_steps", "2", "--resume")],
-                                timeout_s=600)[0]
+    def argv(impl, strategy, out, *extra):
+        return ["--model", tiny_model, "--data", games, "--output_dir", str(out), "--impl", impl,
+                "--strategy", strategy, "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0",
+                "--batch_size_per_device", "2", "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4", *extra]
+
+    logs, argvs = {}, []
+    for impl, strategy in RESUMED:
+        out = root / f"{impl}-{strategy}"
+        out.mkdir()
+        first = interrupt_with_torchrun(argv(impl, strategy, out / "out", "--save_steps", "2"), out / "torchrun.log",
+                                        signal.SIGTERM, "step:3")
+        logs[impl, strategy] = first["log"]
+        argvs += [argv(impl, strategy, out / "reference"), argv(impl, strategy, out / "out", "--save_steps", "2",
+                                                                 "--resume")]
+    results = launch(run_finetunes, 2, argvs, timeout_s=600)[0]
+    return {case: (logs[case], *results[2 * i:2 * i + 2]) for i, case in enumerate(RESUMED)}
+
+
+@pytest.mark.parametrize("impl,strategy", RESUMED)
+def test_a_lora_run_stopped_by_sigterm_resumes_bitwise(stopped_runs, impl, strategy):
+    log, reference, resumed = stopped_runs[impl, strategy]
+    assert "stopped by SIGTERM after step 3: saved" in log, log[-2000:]
     assert resumed["losses"] == reference["losses"]  # floats compared exactly
     for name, tensor in reference["parameters"].items():
         assert torch.equal(resumed["parameters"][name], tensor), name
 
 
 @pytest.mark.parametrize("impl,strategy,extra", CASES + [("minidist", "fsdp", ["--mixed_precision", "bf16"])])
-def test_the_estimate_of_lora_model_states_is_what_the_loop_measures(tiny_model, runs, impl, strategy, extra):
+def test_the_estimate_of_lora_model_states_is_what_the_loop_measures(tiny_model, games, runs, impl, strategy, extra):
     """Parameters (frozen base and adapters), gradients and AdamW states of the adapters only, per
     rank (the fullest), as `memory/lora_terms.py` estimates them: within 2%, as tests/memory/test_memory.py
     holds a full fine-tune."""
     from minidist.memory import estimator
 
     results, out = runs
-    argv = argv_for(tiny_model, out, impl, strategy, extra)
+    argv = argv_for(tiny_model, games, out, impl, strategy, extra)
     records = [json.loads(line) for line in (Path(argv[argv.index("--output_dir") + 1]) / "metrics.jsonl")
                .read_text().splitlines()]
     measured = records[-1]["memory_bytes"]
