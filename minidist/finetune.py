@@ -188,8 +188,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
     say = print if env.is_main else _silent
     micro_bs, pad_token_id = args.batch_size_per_device, games.tokenizer.pad_token_id
-    tensor = f" x tensor-parallel {mesh.tp_size}{' + SP' if args.sequence_parallel else ''}" if mesh.tp_size > 1 else ""
-    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{tensor} on "
+    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{_model_parallel(strategy)} on "
         f"{env.world_size} x {env.device.type} | global batch {games.sampler.global_batch_size} = {micro_bs} x "
         f"{mesh.size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
@@ -254,6 +253,13 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     return results
 
 
+def _model_parallel(strategy) -> str:
+    """The log's words for the model's cuts: tensor-parallel slices, pipeline stages (or nothing)."""
+    mesh, options = strategy.mesh, strategy.options
+    words = f" x tensor-parallel {mesh.tp_size}{' + SP' if options.sequence_parallel else ''}" if mesh.tp_size > 1 else ""
+    return words + (f" x pipeline {mesh.pp_size} ({options.value('pp_schedule')})" if mesh.pp_size > 1 else "")
+
+
 @dataclass
 class Games:
     """The chess games as the loop uses them: tokenized, dealt out by step, and the held-out prefixes."""
@@ -286,6 +292,8 @@ def _check(args, env, session: Session):
         if args.tp_size > 1 and args.impl == "torch" and (args.save_steps or args.resume):
             raise ValueError("checkpoints of PyTorch's tensor parallelism (--impl torch --tp_size) are not built yet: "
                              "drop --save_steps and --resume, or use --impl minidist (the final model is written)")
+        if args.pp_size > 1:
+            _check_pipeline(args, lora_options)
         if args.impl == "torch" and args.sequence_parallel and args.eval_prefixes:
             raise ValueError("PyTorch's sequence parallelism cuts every sequence over the ranks, so it cannot generate "
                              "a token at a time for the legal-move rate: pass --eval_prefixes 0, or use --impl minidist")
@@ -307,6 +315,15 @@ def _check(args, env, session: Session):
     except (FileNotFoundError, NotImplementedError, ValueError) as err:
         raise UsageError(err) from err
     return strategy, lora_options, Games(tokenizer, sequences, sampler, prefixes)
+
+
+def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
+    """What pipeline parallelism does not do yet, each in one line (a ValueError)."""
+    if lora.enabled(lora_options):
+        raise ValueError("LoRA with --pp_size has not been built: use one or the other")
+    if args.save_steps or args.resume:
+        raise ValueError("checkpoints of a pipeline (--pp_size) are not built yet: drop --save_steps and --resume "
+                         "(the final model is written)")
 
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):
@@ -365,7 +382,8 @@ def _legal_rate(when: str, model, games: Games, strategy, env, say) -> float | N
     if not games.prefixes:
         return None
     with strategy.autocast():  # the data-parallel ranks share the prefixes: tensor-parallel ranks judge the same ones
-        result = legal_moves.legal_move_rate(model, games.tokenizer, games.prefixes, env.device, group=strategy.mesh.group)
+        result = legal_moves.legal_move_rate(model, games.tokenizer, games.prefixes, env.device, group=strategy.mesh.group,
+                                             continue_fn=strategy.continue_fn())  # a pipeline: through its stages
     say(f"legal-move rate {when}: {result['legal_move_rate']:.1%} ({result['legal']}/{result['total']})")
     return result["legal_move_rate"]
 
@@ -382,7 +400,7 @@ def _finish(args, env, session: Session, model, strategy, games, say, results: d
         results["stopped"] = session.stopped
         return
     results["parameters"] = None if args.no_save else strategy.full_state_dict(model)
-    session.write_final_model(strategy.unwrap(model), results["parameters"], args.save_dtype, args.model,
+    session.write_final_model(strategy.model_to_save(model, args.model), results["parameters"], args.save_dtype, args.model,
                               games.tokenizer, {k: results[k] for k in ("rate_before", "rate_after")})
     if session.stopped_at_end("the final model write"):
         results["stopped"] = session.stopped

@@ -97,6 +97,8 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches of one step; return its summed loss."""
+    if getattr(strategy, "pipeline", False):  # lesson 12: the micro-batches stream through the stages by a schedule
+        return strategy.pipeline_step(model, micro_batches, num_targets)  # (measuring stand-ins have no pipeline)
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1

@@ -133,14 +133,16 @@ def _cpu_copies(flat: Flat, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
             for name in names}
 
 
-def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None, also=()) -> torch.Tensor:
     """Clip by the norm of the whole gradient when each rank holds a shard of it: each rank sums
-    the squares of its own elements (padding is zero), one all-reduce of one number adds them up.
+    the squares of its own elements (padding is zero), one all-reduce of one number adds them up;
+    one more over each group `also` names (a pipeline's stages, each holding other parameters).
     Returns the norm as a tensor, as torch's `clip_grad_norm_` does: clipping needs no number on
     the host, so the CPU goes on queueing the optimizer step (the loop reads the norm at the step's
     end, with the loss: `runtime/host_syncs.py`)."""
     total = sum(g.float().pow(2).sum().to(collective_device(g, group)) for g in shards)  # host and device shards
-    dist.all_reduce(total, group=group)  # a single number: not counted in the step's bytes
+    for each in (group, *also):
+        dist.all_reduce(total, group=each)  # a single number: not counted in the step's bytes
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
     for g in shards:

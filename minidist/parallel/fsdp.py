@@ -223,9 +223,10 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.max_unsharded = max(self.max_unsharded, self.unsharded)
 
     # ------------------------------------------------------------------ what the strategy reads
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, also=()) -> torch.Tensor:
+        """Clip by the whole gradient's norm (`also`: more groups holding other parts: a pipeline's stages)."""
         return clip_sharded_grad_norm_([u.flat_param.grad for u in self.units if u.flat_param.grad is not None],
-                                       max_norm, self.group)
+                                       max_norm, self.group, also)
 
     def flats(self) -> list[Flat]:
         """The trainable flats (what the optimizer steps and a checkpoint holds); a unit whose

@@ -29,6 +29,14 @@ ranks are a D x T grid, `("dp_shard", "tp")`: tensor-parallel group i = ranks [i
 data-parallel group j = ranks {j, j+T, j+2T, ...}, the ranks holding the same slices. Every field
 below is then the data-parallel one (D ranks), and `tp_group` holds the other.
 
+**Pipeline parallelism** (`--pp_size P`, lesson 12: `pipeline/`) adds a dimension outside both:
+the ranks are a P x D x T grid, `("pp", "dp_shard", "tp")`, rank = stage x D x T + d x T + t, as
+torchtitan orders its mesh (pipeline outermost). Stage s holds ranks [sDT, (s+1)DT): with 4 GPUs a
+node and P = 2 on 2 nodes, each node holds one stage, and only the activations between the stages
+cross the network. The pipeline group of a rank holds the P ranks at its (d, t) place, one per
+stage; every field below is then its stage's data-parallel one, and `pp_group` holds the other.
+All stages of a pipeline read the same micro-batches (`pipeline/stages.py`).
+
 This object is where the choice is made, and every piece of the run reads its groups from it:
 the loop (how the batch is split), both FSDPs and ZeRO (`shard_group`, `replicate_group`), DDP
 (`group`) and the checkpoints (`shard_device_mesh`, `placements`). The byte counter does not
@@ -60,6 +68,13 @@ class DataParallelMesh:
     replicate_group: dist.ProcessGroup | None = None  # HSDP: the ranks holding the same shard, one per node
     tp_size: int = 1  # > 1: tensor parallelism (tensor/), over tp_group
     tp_group: dist.ProcessGroup | None = None  # the ranks that cut each layer among themselves, on the same batch
+    pp_size: int = 1  # > 1: pipeline parallelism (pipeline/), over pp_group
+    pp_group: dist.ProcessGroup | None = None  # the stages of this rank's pipeline, one rank each, in order
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's stage; 0 without a pipeline."""
+        return 0 if self.pp_group is None else dist.get_rank(self.pp_group)
 
     @property
     def shard_rank(self) -> int:
@@ -74,8 +89,8 @@ class DataParallelMesh:
         """What FSDP2 and DCP's DTensors are placed on: the 1-D mesh of the shard dimension, or
         under HSDP the 2-D (replicate, shard) mesh, on which FSDP2 replicates along dim 0 and
         shards along dim 1."""
-        if self.tp_group is not None:  # the data-parallel dimension of the (dp, tp) grid
-            return device_mesh((self.size, self.tp_size), ("dp_shard", "tp"))["dp_shard"]
+        if self.tp_group is not None or self.pp_group is not None:  # the data-parallel dimension of the grid
+            return self.grid()["dp_shard"]
         if self.replicate_group is None:
             return device_mesh()
         return device_mesh((self.replicate_size, self.shard_size), MESH_DIM_NAMES)
@@ -83,7 +98,12 @@ class DataParallelMesh:
     def tp_device_mesh(self):
         """PyTorch's tensor parallelism (`tensor/reference.py`): the tensor-parallel dimension of the
         (dp, tp) grid, as a `DeviceMesh`."""
-        return device_mesh((self.size, self.tp_size), ("dp_shard", "tp"))["tp"]
+        return self.grid()["tp"]
+
+    def grid(self):
+        """The (pp, dp_shard, tp) grid of the module docstring as a `DeviceMesh`, without the
+        dimensions of size 1 where there is no pipeline, or no tensor parallelism."""
+        return _grid(self.pp_size, self.size, self.tp_size)
 
     def placements(self) -> tuple:
         """How a flat shard sits on `shard_device_mesh()`: Shard(0), and Replicate() first under
@@ -93,17 +113,24 @@ class DataParallelMesh:
         return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
 
 
-def data_parallel_mesh(shard_size: int | None = None, tp_size: int = 1) -> DataParallelMesh:
+def _grid(pp_size: int, dp_size: int, tp_size: int):
+    dims = [(n, name) for n, name in ((pp_size, "pp"), (dp_size, "dp_shard"), (tp_size, "tp"))
+            if n > 1 or name == "dp_shard"]
+    return device_mesh(tuple(n for n, _ in dims), tuple(name for _, name in dims))
+
+
+def data_parallel_mesh(shard_size: int | None = None, tp_size: int = 1, pp_size: int = 1) -> DataParallelMesh:
     """Every rank of the process group is a data-parallel rank (init_distributed must have run).
 
     shard_size None: ZeRO and FSDP shard over all of them. Otherwise HSDP: groups of `shard_size`
     consecutive ranks shard, and the ranks at the same place in each group replicate. tp_size > 1
     (not with HSDP): groups of `tp_size` consecutive ranks are tensor-parallel, and the data-parallel
-    ranks are one per group (the module docstring's grid)."""
+    ranks are one per group (the module docstring's grid). pp_size > 1 (not with HSDP): the ranks
+    are cut into pp_size stages of consecutive ranks, each stage such a (dp, tp) grid."""
     world = dist.group.WORLD
     size, rank = dist.get_world_size(world), dist.get_rank(world)
-    if tp_size > 1:
-        return _tensor_parallel_mesh(size, rank, tp_size)
+    if tp_size > 1 or pp_size > 1:
+        return _model_parallel_mesh(size, rank, tp_size, pp_size)
     if shard_size is None:
         return DataParallelMesh(group=world, shard_group=world, rank=rank, size=size, shard_size=size)
     if shard_size < 1 or size % shard_size:
@@ -114,13 +141,19 @@ def data_parallel_mesh(shard_size: int | None = None, tp_size: int = 1) -> DataP
                             replicate_group=mesh.get_group("dp_replicate"))
 
 
-def _tensor_parallel_mesh(size: int, rank: int, tp_size: int) -> DataParallelMesh:
-    if size % tp_size:
-        raise ValueError(f"--tp_size {tp_size} must divide the {size} ranks into equal tensor-parallel groups")
-    mesh = device_mesh((size // tp_size, tp_size), ("dp_shard", "tp"))
+def _model_parallel_mesh(size: int, rank: int, tp_size: int, pp_size: int) -> DataParallelMesh:
+    """The (pp, dp, tp) grid's groups for this rank (module docstring)."""
+    if size % (tp_size * pp_size):
+        what = "tensor-parallel groups" if pp_size == 1 else ("pipeline stages" if tp_size == 1 else
+                                                               "pipeline stages of equal tensor-parallel groups")
+        flags = " x ".join(f"--{name} {n}" for name, n in (("pp_size", pp_size), ("tp_size", tp_size)) if n > 1)
+        raise ValueError(f"{flags} must divide the {size} ranks into equal {what}")
+    dp_size = size // (tp_size * pp_size)
+    mesh = _grid(pp_size, dp_size, tp_size)
     dp_group = mesh.get_group("dp_shard")
-    return DataParallelMesh(group=dp_group, shard_group=dp_group, rank=rank // tp_size, size=size // tp_size,
-                            shard_size=size // tp_size, tp_size=tp_size, tp_group=mesh.get_group("tp"))
+    return DataParallelMesh(group=dp_group, shard_group=dp_group, rank=(rank // tp_size) % dp_size, size=dp_size,
+                            shard_size=dp_size, tp_size=tp_size, tp_group=mesh.get_group("tp") if tp_size > 1 else None,
+                            pp_size=pp_size, pp_group=mesh.get_group("pp") if pp_size > 1 else None)
 
 
 def broadcast_from_first_copy(tensors, replicate_group) -> None:

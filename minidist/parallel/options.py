@@ -37,6 +37,11 @@ DDP_VARIANTS = ("bucketed", "naive")
 EVERY = ("minidist", "torch"), STRATEGIES + HYBRID  # (implementations, strategies) an option applies to
 # What tensor parallelism (lesson 11) composes with over the data-parallel dimension, so far.
 TENSOR_PARALLEL_WITH = ("minidist/ddp", "minidist/fsdp", "torch/fsdp")
+# What pipeline parallelism (lesson 12) composes with over the data-parallel dimension, so far.
+# The hand-written FSDP is not among them yet: its units assume each forward is followed by its own
+# backward, and a schedule runs several forwards before the first backward.
+PIPELINE_WITH = ("minidist/ddp", "minidist/zero1", "torch/fsdp")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # pipeline/schedules.py
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
 # Llama's pretraining (Touvron et al. 2023, section 2.2). Every optimizer here is built with them,
@@ -77,8 +82,13 @@ class ParallelOptions:
                            "same batch (lesson 11)", flag_type=int)
     sequence_parallel: bool = _option(False, "with --tp_size: the norms and the residual stream cut along the "
                                       "sequence between the blocks")
+    pp_size: int = _option(1, "pipeline parallelism: the decoder layers cut into this many stages, one per rank, "
+                           "the micro-batches (--gradient_accumulation_steps) streamed through them (lesson 12)",
+                           flag_type=int)
+    pp_schedule: str | None = _option(None, "with --pp_size: the order of each stage's forwards and backwards",
+                                      PIPELINE_SCHEDULES)
 
-    DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed"}
+    DEFAULTS = {"reduce_dtype": "fp32", "bucket_cap_mb": 25.0, "ddp_variant": "bucketed", "pp_schedule": "1f1b"}
 
     def value(self, name: str):
         """The option as the strategy uses it: what was given, or its default."""
@@ -113,6 +123,7 @@ class ParallelOptions:
         if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < math.inf:  # NaN too: no bucket ever fills
             raise ValueError(f"--bucket_cap_mb must be a positive, finite number of MB, got {self.bucket_cap_mb}")
         self._check_tensor_parallel()
+        self._check_pipeline()
         return self
 
     def _check_tensor_parallel(self) -> None:
@@ -126,6 +137,22 @@ class ParallelOptions:
                              f"ranks, not {self.name}")
         if self.tp_size > 1 and self.cpu_offload:
             raise ValueError("--cpu_offload with --tp_size has not been built: use one or the other")
+
+    def _check_pipeline(self) -> None:
+        if self.pp_size < 1:
+            raise ValueError(f"--pp_size must be at least 1, got {self.pp_size}")
+        if self.pp_schedule is not None and self.pp_size == 1:
+            raise ValueError("--pp_schedule orders the stages of a pipeline: it needs --pp_size 2 or more")
+        if self.pp_size == 1:
+            return
+        if self.name not in PIPELINE_WITH:
+            raise ValueError(f"--pp_size composes with {' or '.join(PIPELINE_WITH)} over the data-parallel ranks, "
+                             f"not {self.name}")
+        if self.impl == "torch" and self.tp_size > 1:
+            raise ValueError("--impl torch with --pp_size and --tp_size has not been built: use --impl minidist")
+        for flag in ("sequence_parallel", "cpu_offload"):
+            if getattr(self, flag):
+                raise ValueError(f"--{flag} with --pp_size has not been built: use one or the other")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

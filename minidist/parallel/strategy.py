@@ -63,7 +63,7 @@ class Strategy:
         if self._mesh is None:
             hybrid = self.options.strategy == "hsdp"
             self._mesh = data_parallel_mesh(self.options.hsdp_shard_size or self.env.local_world_size if hybrid else None,
-                                            self.options.tp_size)
+                                            self.options.tp_size, self.options.pp_size)
             across_nodes.split.tensor_group = self._mesh.tp_group  # metrics.jsonl: tensor parallelism's bytes apart
         return self._mesh
 
@@ -89,12 +89,18 @@ class Strategy:
 
     def check_model(self, name_or_path: str) -> None:
         """Raise ValueError, in one sentence, if the model cannot be cut over --tp_size ranks (its
-        heads, its MLP, its layers' names), before anything is loaded: built on the meta device."""
+        heads, its MLP, its layers' names) or into --pp_size stages (a layer each at least, untied
+        embeddings), before anything is loaded: built on the meta device."""
+        from minidist.hf import models
+
         if self.tensor_parallel:
-            from minidist.hf import models
             from minidist.parallel.tensor.llama import check_splittable
 
             check_splittable(models.build_on_meta(name_or_path), self.options.tp_size)
+        if self.pipeline:
+            from minidist.parallel.pipeline.stages import Stage
+
+            Stage(models.build_on_meta(name_or_path), 0, self.options.pp_size)  # refuses what cannot be cut
 
     @property
     def sequence_multiple(self) -> int:
@@ -117,6 +123,87 @@ class Strategy:
         """The context a micro-batch's forward, loss and backward run in (`step.train_step`): none,
         but PyTorch's tensor-parallel loss (`TorchFSDP`)."""
         return nullcontext()
+
+    # ------------------------------------------------------------------ pipeline parallelism (lesson 12)
+    # With --pp_size P each rank keeps one stage of the model (`pipeline/loop.py` says what changes):
+    # cut after the tensor-parallel cut and before the data-parallel wrapper, stepped by a schedule.
+    @property
+    def pipeline(self) -> bool:
+        return self.options.pp_size > 1
+
+    def cut_stage(self, model: nn.Module) -> nn.Module:
+        """This rank's stage of `model` (without --pp_size: the model). The rest of the model is
+        dropped with the caller's reference to it, before anything moves to the GPU."""
+        if not self.pipeline:
+            return model
+        from minidist.parallel.pipeline.loop import cut_stage
+
+        stage = cut_stage(model, self.mesh)
+        if self.tensor_parallel:
+            stage.loss_sum = self.cross_entropy_sum  # the last stage's loss from the vocabulary's slices
+        stage.autocast = self.autocast  # DDP's mixed precision: fp32 weights, bf16 matmuls
+        # What crosses a cut: the residual stream, in the weights' dtype (fp32 under autocast, whose
+        # sums with the fp32 residual stay fp32), or bf16 where the weights themselves compute in it.
+        self._activation_dtype = (torch.bfloat16 if self.options.mixed_precision == "bf16" and not self.autocast_weights
+                                  else next(stage.parameters()).dtype)
+        self._stage = stage
+        return stage
+
+    def pipeline_step(self, model, micro_batches: list[dict], num_targets: int) -> torch.Tensor:
+        """One step's forwards and backwards through the stages, by `--pp_schedule`
+        (`step.train_step` calls it under --pp_size); the summed loss of this data-parallel rank's
+        micro-batches, on every stage."""
+        if getattr(self, "_pipeline", None) is None:
+            from minidist.parallel.pipeline.loop import Pipeline
+
+            self._pipeline = Pipeline(self._stage, model, self.mesh, self.options.value("pp_schedule"),
+                                      no_sync=lambda: self.no_sync(model), dtype=self._activation_dtype,
+                                      device=self.env.device, impl=self.options.impl)
+        return self._pipeline.step(micro_batches, num_targets)
+
+    def continue_fn(self):
+        """What the legal-move rate generates with (`legal_moves.legal_move_rate`): None, its own
+        `generate`; under a pipeline, greedy decoding through the stages (`pipeline/generate.py`)."""
+        if not self.pipeline:
+            return None
+        from minidist.parallel.pipeline.generate import continue_fn
+
+        return continue_fn(self._stage, self.mesh.pp_group, self._activation_dtype)
+
+    def _norm_groups(self) -> list:
+        """Groups the squares of a clipped gradient are summed over besides the data- and tensor-
+        parallel ones: the pipeline's stages, each holding other parameters (none without one)."""
+        from minidist.parallel.pipeline.loop import norm_groups
+
+        return norm_groups(self.mesh)
+
+    def model_to_save(self, model, name_or_path: str) -> nn.Module:
+        """The Hugging Face model the final model is written through (`save_pretrained` with the
+        gathered weights): the unwrapped model; under a pipeline, where no rank holds it, the whole
+        model built on the meta device (its config and class, no memory)."""
+        if not self.pipeline:
+            return self.unwrap(model)
+        from minidist.hf import models
+
+        return models.build_on_meta(name_or_path)
+
+    def _full(self, state) -> dict | None:
+        """The whole model's weights on rank 0 (None elsewhere) from `state`: a zero-argument
+        callable giving this rank's weights, called on the ranks that hold a whole copy of their
+        stage or slice (data-parallel rank 0). Slices are joined over the tensor-parallel ranks, and
+        stages over the pipeline's (`pipeline/loop.join_stages`)."""
+        mine = None
+        if self.mesh.rank == 0:
+            mine = state()
+            if self.tensor_parallel:
+                from minidist.parallel.tensor.whole import whole_weights
+
+                mine = whole_weights(mine, self._split, self.mesh.tp_group)
+        if self.pipeline:
+            from minidist.parallel.pipeline.loop import join_stages
+
+            return join_stages(mine, self.mesh)
+        return mine if self.env.is_main else None
 
     def load_model(self, name_or_path: str) -> nn.Module:
         """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
@@ -188,26 +275,17 @@ class Strategy:
     def clip_grad_norm_(self, model, max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm`; their norm before clipping, as a tensor on the device
         (read it when the number is needed: each read makes the host wait for the device)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if self.pipeline:  # this stage's norm, then the stages' squares summed
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+            return _clip_by_stages(grads, norm, max_norm, self._norm_groups())
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
     def full_state_dict(self, model) -> dict | None:
         """The whole model's weights on rank 0, on the CPU (None on other ranks). Every rank calls it."""
-        if self.tensor_parallel:  # the first data-parallel rank of every tensor-parallel slice
-            return self._whole(lambda: {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()})
-        if not self.env.is_main:
-            return None
-        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
-
-    def _whole(self, weights) -> dict | None:
-        """Tensor parallelism: the ranks of data-parallel rank 0, one per slice, take `weights()` and
-        join their slices (`tensor/whole.py`); rank 0 returns them, the others None."""
-        if self.mesh.rank != 0:
-            return None
-        from minidist.parallel.tensor.whole import whole_weights
-
-        full = whole_weights(weights(), self._split, self.mesh.tp_group)
-        return full if self.env.is_main else None
+        return self._full(lambda: {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()})
 
     def get_state_dict(self, model, optimizer, full: bool) -> tuple[dict, dict]:
         """The model's and the optimizer's state for a checkpoint (`state.py`), keyed by parameter name.
@@ -270,7 +348,8 @@ class MinidistDDP(Strategy):
     def wrap(self, model):
         from minidist.parallel import ddp
 
-        model = self.cut_layers(model.to(self.env.device))  # --tp_size: each rank keeps its slices
+        # --tp_size: each rank keeps its slices; --pp_size: its stage, before it moves to the GPU
+        model = self.cut_stage(self.cut_layers(model)).to(self.env.device)
         # DDP's gradients have the fp32 parameters' dtype (fp64 in a test): reduced as they are,
         # unless --reduce_dtype bf16 asks for half the bytes.
         reduce_dtype = precision.reduction_dtype(next(model.parameters()).dtype, self.mp)
@@ -286,7 +365,7 @@ class MinidistDDP(Strategy):
         # Each rank holds slices: the norm is summed over the tensor-parallel group (tensor/whole.py).
         pieces = [(p.grad, [] if name in self._split else [slice(None)])
                   for name, p in self.unwrap(model).named_parameters() if p.grad is not None]
-        return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group)
+        return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group, also=self._norm_groups())
 
 
 class ShardedByHand(Strategy):
@@ -294,13 +373,11 @@ class ShardedByHand(Strategy):
     saving and loading work on them. The parameters carry the compute dtype: no autocast."""
 
     def clip_grad_norm_(self, model, max_norm):
-        return model.clip_grad_norm_(max_norm)  # the norm of a gradient that is sharded: flat.py
+        return model.clip_grad_norm_(max_norm, also=self._norm_groups())  # a gradient that is sharded: flat.py
 
     def full_state_dict(self, model):
         full = model.full_parameters(keep=self.mesh.rank == 0)  # every rank takes part in the gathers
-        if self.tensor_parallel:  # data-parallel rank 0 of each slice holds it: join the slices
-            return self._whole(lambda: full)
-        return full if self.env.is_main else None
+        return self._full(lambda: full)  # data-parallel rank 0 of each slice and stage holds it
 
     def get_state_dict(self, model, optimizer, full):
         from minidist.parallel import flat_state
@@ -336,6 +413,7 @@ class MinidistZeRO(ShardedByHand):
         from minidist.parallel.zero import ZeroDP
 
         stage = int(self.options.strategy[-1])
+        model = self.cut_stage(model)  # --pp_size: this rank's stage only
         return ZeroDP(model.to(self.env.device), stage, self.mp, self.options.value("bucket_cap_mb"),
                       self.mesh.shard_group, self.options.cpu_offload, self.options.accumulate_sharded)
 
@@ -360,6 +438,7 @@ class MinidistFSDP(ShardedByHand):
         from minidist.parallel.fsdp import FullyShardedDataParallel
 
         model = self.cut_layers(model)  # --tp_size: slices, on the meta device where nothing was read
+        model = self.cut_stage(model)  # --pp_size: this rank's stage
         classes = wrap_policy_classes(model) if self.options.layer_wrap_policy else ()
         return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group,
                                         self.mesh.replicate_group, self.options.cpu_offload)  # HSDP: the copies
@@ -376,7 +455,8 @@ class MinidistFSDP(ShardedByHand):
                 params = [(name, layout.offsets[k], layout.shapes[k].numel()) for _, _, name, k in unit.slots]
                 pieces.append((unit.flat_param.grad, whole.replicated_ranges(params, shard.start, shard.stop,
                                                                              self._split)))
-        return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group, self.mesh.shard_group)
+        return whole.clip_grad_norm_(pieces, max_norm, self.mesh.tp_group, self.mesh.shard_group,
+                                     also=self._norm_groups())
 
 
 class TorchFSDP(Strategy):
@@ -388,7 +468,10 @@ class TorchFSDP(Strategy):
         """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
         no memory), and `wrap` broadcasts rank 0's weights into every rank's shards (`load_on_rank0`).
         With --tp_size T, the T ranks of data-parallel rank 0 read them: `parallelize_module` sends
-        each tensor-parallel rank its slices from the first one's weights."""
+        each tensor-parallel rank its slices from the first one's weights. Under --pp_size every rank
+        reads them, as DDP's do: the broadcast from rank 0 would send stage 0's weights to every stage."""
+        if self.pipeline:
+            return super().load_model(name_or_path)
         return load_on_rank0(name_or_path, self.env, loads=self.mesh.rank == 0)
 
     def wrap(self, model):
@@ -396,7 +479,8 @@ class TorchFSDP(Strategy):
 
         # Rank 0's weights, whole, taken before fully_shard turns its parameters into shards: every
         # rank's shards are loaded from them below. The other ranks may hold shapes only, or weights
-        # of their own: rank 0's win, as in DDP.
+        # of their own: rank 0's win, as in DDP. Under --pp_size every rank read the weights (`load_model`).
+        model = self.cut_stage(model)
         full = model.state_dict() if self.env.rank == 0 else {}
         kwargs = {"mesh": self.mesh.shard_device_mesh()}
         if self.options.cpu_offload:  # sharded parameters, gradients and optimizer states on the host
@@ -413,7 +497,7 @@ class TorchFSDP(Strategy):
         # The root unit holds what is left (embeddings, final norm, output layer). fully_shard
         # moves each shard onto the mesh's device, so the full model never sits on one GPU.
         fully_shard(model, **kwargs)
-        if self.env.world_size > 1:
+        if self.env.world_size > 1 and not self.pipeline:  # a pipeline's ranks all read the weights
             self._load_from_rank0(model, full)
         return model
 
@@ -506,6 +590,22 @@ class TorchFSDP(Strategy):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
         return state if self.env.is_main else None
+
+
+def _clip_by_stages(grads: list, stage_norm: torch.Tensor, max_norm: float, groups: list) -> torch.Tensor:
+    """Clip `grads` (this stage's) by the whole model's norm: this stage's `stage_norm` squared, summed
+    over `groups` (the pipeline), one number each. Returns the whole norm, as torch's clip does."""
+    import torch.distributed as dist
+
+    total = stage_norm.float().pow(2)
+    for group in groups:
+        dist.all_reduce(total, group=group)  # a single number: not counted in the step's bytes
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
+    with torch.no_grad():
+        for grad in grads:
+            (grad.to_local() if hasattr(grad, "to_local") else grad).mul_(scale.to(grad.device, grad.dtype))
+    return norm
 
 
 def _whole_logits_in_eval(head, inputs, logits):

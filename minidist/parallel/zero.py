@@ -506,8 +506,9 @@ class ZeroDP(DataParallelWrapper):
         for bucket in self.buckets:
             bucket.refresh_weights(self.group)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group)
+    def clip_grad_norm_(self, max_norm: float, also=()) -> torch.Tensor:
+        """Clip by the whole gradient's norm (`also`: more groups holding other parts: a pipeline's stages)."""
+        return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group, also)
 
     def flats(self) -> list[Flat]:
         names = {}

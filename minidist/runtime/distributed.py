@@ -378,9 +378,10 @@ def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | N
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type, shape = get_env().device.type, shape or (dist.get_world_size(),)
-    if (device_type, shape) not in _meshes:  # every rank asks for the same meshes in the same order
-        _meshes[device_type, shape] = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return _meshes[device_type, shape]
+    key = device_type, shape, names  # a 2 x 2 grid is (pp, dp_shard) or (dp_shard, tp): named apart
+    if key not in _meshes:  # every rank asks for the same meshes in the same order
+        _meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _meshes[key]
 
 
 def cleanup() -> None:

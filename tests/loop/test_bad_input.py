@@ -138,6 +138,17 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
      "error: --tp_size 3 does not divide the model's 4 attention heads: each rank must get an equal share"),
     (["--impl", "minidist", "--strategy", "ddp", "--tp_size", "2"],
      "error: --tp_size 2 must divide the 1 ranks into equal tensor-parallel groups"),
+    # Pipeline parallelism (lesson 12): stages the model or the ranks cannot hold, a schedule that does not exist.
+    (["--pp_size", "0"], "error: --pp_size must be at least 1, got 0"),
+    (["--pp_schedule", "gpipe"], "error: --pp_schedule orders the stages of a pipeline: it needs --pp_size 2 or more"),
+    (["--pp_size", "2", "--pp_schedule", "zb"], "error: argument --pp_schedule: invalid choice: 'zb'"),
+    (["--impl", "minidist", "--strategy", "ddp", "--pp_size", "8"],
+     "error: --pp_size 8 is larger than the model's 2 decoder layers: every stage needs at least one"),
+    (["--impl", "minidist", "--strategy", "ddp", "--pp_size", "2"],
+     "error: --pp_size 2 must divide the 1 ranks into equal pipeline stages"),
+    (["--impl", "minidist", "--strategy", "fsdp", "--pp_size", "2"],
+     "error: --pp_size composes with minidist/ddp or minidist/zero1 or torch/fsdp over the data-parallel ranks, "
+     "not minidist/fsdp"),
 ]
 
 

@@ -31,6 +31,8 @@ Tied input and output embeddings would put one matrix on the first and the last 
 two gradients must be summed every step; this module refuses them (CodeLlama's are untied).
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,6 +82,7 @@ class Stage(nn.Module):
         if self.is_last:
             self.model.norm, self.lm_head = model.model.norm, model.lm_head
         self.loss_sum = _cross_entropy_sum  # tensor parallelism: the loss from the vocabulary's slices
+        self.autocast = nullcontext  # the strategy's mixed precision, where the weights stay fp32 (DDP)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -93,6 +96,16 @@ class Stage(nn.Module):
         return {name: p for name, p in model.named_parameters() if id(p) in mine}
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        with self.autocast():  # as step.token_loss_sum runs the whole model's forward, the loss outside
+            logits_or_hidden = self._layers(hidden, batch)
+        if not self.is_last or "labels" not in batch:  # generation (`pipeline/generate.py`): the logits themselves
+            return logits_or_hidden
+        # As step.token_loss_sum: position t predicts token t+1, -100 is ignored, the softmax in fp32 at least.
+        logits = logits_or_hidden.to(torch.promote_types(logits_or_hidden.dtype, torch.float32))
+        return self.loss_sum(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+    def _layers(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """The embedding (first stage), this stage's layers, the final norm and head (last stage)."""
         from transformers.masking_utils import create_causal_mask
 
         if self.is_first:
@@ -109,14 +122,7 @@ class Stage(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
                            position_ids=position_ids)
-        if not self.is_last:
-            return hidden
-        logits = self.lm_head(self.model.norm(hidden))
-        if "labels" not in batch:  # generation (`pipeline/generate.py`): the logits themselves
-            return logits
-        # As step.token_loss_sum: position t predicts token t+1, -100 is ignored, the softmax in fp32 at least.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return self.loss_sum(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+        return self.lm_head(self.model.norm(hidden)) if self.is_last else hidden
 
 
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,8 @@ def replicated_ranges(names_and_sizes, start: int, stop: int, cut) -> list[slice
     return ranges
 
 
-def clip_grad_norm_(pieces: list[tuple[torch.Tensor, list]], max_norm: float, tp_group, dp_group=None) -> torch.Tensor:
+def clip_grad_norm_(pieces: list[tuple[torch.Tensor, list]], max_norm: float, tp_group, dp_group=None,
+                    also=()) -> torch.Tensor:
     """Clip by the norm of the whole model's gradient, each rank holding `pieces`: (gradient,
     where in it the parameters every tensor-parallel rank holds alike lie, as indices).
 
@@ -55,7 +56,8 @@ def clip_grad_norm_(pieces: list[tuple[torch.Tensor, list]], max_norm: float, tp
     on every rank, so summing over the group would count it T times: each rank counts 1/T of it.
     Then one all-reduce over the data-parallel group (where each rank holds a shard: FSDP) and one
     over the tensor-parallel group give the whole sum, on every rank. A single number each: not
-    counted in the step's bytes. Returns the norm before clipping, a tensor, as torch's does."""
+    counted in the step's bytes; one more over each group `also` names (a pipeline's stages, each
+    holding other layers). Returns the norm before clipping, a tensor, as torch's does."""
     t = dist.get_world_size(tp_group)
     total = None
     for grad, alike in pieces:
@@ -66,6 +68,8 @@ def clip_grad_norm_(pieces: list[tuple[torch.Tensor, list]], max_norm: float, tp
     if dp_group is not None:
         dist.all_reduce(total, group=dp_group)
     dist.all_reduce(total, group=tp_group)
+    for group in also:
+        dist.all_reduce(total, group=group)
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
     for grad, _ in pieces:
