@@ -37,7 +37,9 @@ before the send is posted. `bubble.py` turns it into each stage's idle fraction.
 per action: nothing else changes, so the parity is the same with or without anyone reading it.
 The clock is the host's (`time.perf_counter`). On CPU that is when the work ran; on CUDA the host
 only queues kernels and runs ahead, so on a CUDA device every reading first waits for the device
-(`torch.cuda.synchronize`), which costs the overlap of a send with the next computation.
+(`torch.cuda.synchronize`), which costs the overlap of a send with the next computation. So the
+training loop turns it off (`synchronize = False`, `pipeline/loop.py`): its timeline on a GPU then
+says when the host queued each action, not when it ran.
 
 **`no_sync`: gradients reduced once per step.** Under data parallelism a wrapper reduces the
 gradients during backward. Every micro-batch's backward but the step's last need not: their
@@ -119,6 +121,7 @@ class Executor:
         self.device = device or parameter.device
         self.peak_held = 0
         self.timeline, self.step_time, self.start = [], 0.0, 0.0
+        self.synchronize = True  # on CUDA, wait for the device at each clock reading (module doc)
 
     def step(self, actions_by_rank: list, micro_batches: list[dict], num_targets: int):
         """Forward and backward of one step's micro-batches in this rank's order; return the step's
@@ -149,7 +152,7 @@ class Executor:
 
     def now(self) -> float:
         """The host's clock, in seconds; on CUDA once the device has finished what was queued (module doc)."""
-        if torch.device(self.device).type == "cuda":
+        if self.synchronize and torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 

@@ -49,6 +49,7 @@ class Pipeline:
         self.stage, self.mesh, self.schedule, self.impl = stage, mesh, schedule, impl
         self.executor = executor.Executor(stage, group=mesh.pp_group, dp_size=mesh.size, no_sync=no_sync,
                                           module=module, dtype=dtype, device=device)
+        self.executor.synchronize = False  # no wait for the GPU at each action: the timeline is not read here
         self.torch_executor = None  # --impl torch: PyTorch's, built for the step's number of micro-batches
 
     def step(self, micro_batches: list[dict], num_targets: int) -> torch.Tensor:
