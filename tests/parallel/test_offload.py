@@ -21,6 +21,7 @@ import torch
 
 from minidist.hf import models
 from minidist.runtime.launch import launch
+from interrupted import few_games
 from offload_workers import measured_splits, where_things_live
 from reference import train_reference
 from train_workers import run_finetunes
@@ -114,8 +115,8 @@ def test_masters_and_their_gradients_live_on_the_host(llama):
 RESUMES = [("fsdp", "sharded"), ("zero1", "sharded"), ("zero2", "full")]
 
 
-def finetune_args(model, out, strategy, *extra, offload=True):
-    return ["--model", model, "--output_dir", str(out), "--impl", "minidist", "--strategy", strategy,
+def finetune_args(model, games, out, strategy, *extra, offload=True):
+    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", "minidist", "--strategy", strategy,
             *(["--cpu_offload"] if offload else []),
             "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
             "--learning_rate", "3e-3", "--warmup_steps", "2", "--seed", "3", *extra]
@@ -125,14 +126,16 @@ def test_an_offloaded_run_resumes_bitwise(llama, tmp_path):
     """Per strategy: 6 steps straight; 6 steps saving at 3; then from checkpoint-3 to step 6 again.
     The resumed run's losses and final weights are the uninterrupted run's, exactly. And the
     training loop (which traces the first step's memory under a dispatch mode) with offload
-    gives the losses of the loop without it."""
-    argvs = []
+    gives the losses of the loop without it. All on 64 games (6 steps of 4 draw 24): otherwise
+    each rank of each of the 12 runs tokenizes all 3,000."""
+    games, argvs = str(few_games(tmp_path)), []
     for strategy, form in RESUMES:
         root = tmp_path / strategy
-        argvs += [finetune_args(llama, root / "plain", strategy, offload=False),
-                  finetune_args(llama, root / "straight", strategy),
-                  finetune_args(llama, root / "saved", strategy, "--save_steps", "3", "--checkpoint_format", form),
-                  finetune_args(llama, root / "saved", strategy, "--checkpoint_format", form,
+        argvs += [finetune_args(llama, games, root / "plain", strategy, offload=False),
+                  finetune_args(llama, games, root / "straight", strategy),
+                  finetune_args(llama, games, root / "saved", strategy, "--save_steps", "3",
+                                "--checkpoint_format", form),
+                  finetune_args(llama, games, root / "saved", strategy, "--checkpoint_format", form,
                                 "--resume", str(root / "saved" / "checkpoint-3"))]
     results = launch(run_finetunes, 2, argvs, timeout_s=600)[0]
     for i, (strategy, form) in enumerate(RESUMES):
