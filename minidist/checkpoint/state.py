@@ -343,7 +343,7 @@ class Checkpointer:
         else:
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=True)
             if self.env.is_main:  # the others got empty dicts: the whole state is on rank 0's CPU
-                attempt(lambda sd=model_sd: self.strategy.unwrap(self.model).save_pretrained(tmp / "model", state_dict=sd))
+                attempt(lambda sd=model_sd: self.strategy.model_to_save(self.model).save_pretrained(tmp / "model", state_dict=sd))
                 if self.tokenizer is not None:
                     attempt(lambda: self.tokenizer.save_pretrained(tmp / "model"))
                 attempt(lambda sd=optim_sd: _write(tmp / "optimizer.pt", sd))

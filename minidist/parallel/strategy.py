@@ -177,15 +177,16 @@ class Strategy:
 
         return norm_groups(self.mesh)
 
-    def model_to_save(self, model, name_or_path: str) -> nn.Module:
-        """The Hugging Face model the final model is written through (`save_pretrained` with the
-        gathered weights): the unwrapped model; under a pipeline, where no rank holds it, the whole
-        model built on the meta device (its config and class, no memory)."""
+    def model_to_save(self, model, name_or_path: str | None = None) -> nn.Module:
+        """The Hugging Face model the final model (or a full checkpoint) is written through
+        (`save_pretrained` with the gathered weights): the unwrapped model; under a pipeline, where no
+        rank holds it, the whole model built on the meta device (its config and class, no memory),
+        from `name_or_path` or else the folder the stage's model was loaded from."""
         if not self.pipeline:
             return self.unwrap(model)
         from minidist.hf import models
 
-        return models.build_on_meta(name_or_path)
+        return models.build_on_meta(name_or_path or self._stage.config.name_or_path)
 
     def _full(self, state) -> dict | None:
         """The whole model's weights on rank 0 (None elsewhere) from `state`: a zero-argument
@@ -296,6 +297,10 @@ class Strategy:
         (`ShardedByHand`) hand out and take back their flat shards instead."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        if self.pipeline and full:  # the stages joined on rank 0, as a run without a pipeline writes them
+            from minidist.parallel.pipeline.checkpoint import joined_state_dict
+
+            return joined_state_dict(self.unwrap(model), optimizer, self.mesh)
         options = StateDictOptions(full_state_dict=full, cpu_offload=full)
         return get_state_dict(self.unwrap(model), optimizer, options=options)
 
@@ -303,6 +308,13 @@ class Strategy:
         """Load what `get_state_dict` gave; full=True: rank 0 holds it and broadcasts, the others pass {}."""
         from torch.distributed.checkpoint import state_dict as dsd
 
+        if self.pipeline:  # full: each stage takes its keys of any pp size's; sharded: its own param names
+            from minidist.parallel.pipeline import checkpoint
+
+            if full:
+                return checkpoint.load_stage(self.unwrap(model), optimizer, model_state_dict, optim_state_dict)
+            live = dsd.get_optimizer_state_dict(self.unwrap(model), optimizer)["param_groups"]
+            optim_state_dict["param_groups"] = checkpoint.own_param_groups(optim_state_dict["param_groups"], live)
         options = dsd.StateDictOptions(full_state_dict=full, broadcast_from_rank0=full)
         # Two calls, not set_state_dict: it would take the empty model dict of ranks > 0 to mean
         # "optimizer only", and those ranks would skip the broadcasts rank 0 sends.
@@ -389,6 +401,10 @@ class ShardedByHand(Strategy):
             if full:
                 return checkpoint.whole_flats(model, model_sd, optim_sd, self._split, self.mesh)
             optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
+        if self.pipeline:  # sharded only (finetune refuses full): each stage's flats, its layout noted
+            from minidist.parallel.pipeline import checkpoint
+
+            optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
         return model_sd, optim_sd
 
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
@@ -402,6 +418,10 @@ class ShardedByHand(Strategy):
                                                                              self._split, self.mesh)
             else:
                 checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)
+        if self.pipeline:  # a stage's flats: at the layout that wrote them (a full checkpoint: not built)
+            from minidist.parallel.pipeline import checkpoint
+
+            checkpoint.check_sharded(optim_state_dict, full, self.mesh)
         flat_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
 
 

@@ -1,0 +1,142 @@
+"""Checkpoints of a pipeline: sharded per stage, full as one model that loads at any pp size.
+
+A stage keeps the whole model's parameter names (`stages.Stage`: `model.layers.5...` stays 5), so
+its state dicts are pieces of the whole model's, keyed as the whole model's: the stages' keys do not
+overlap, and together they are every key. `state.py` saves whatever the strategy hands it in two
+forms, and this module makes both out of the stages' pieces:
+
+- **sharded** (DCP): each rank hands DCP its own stage's tensors, and DCP writes each key from the
+  rank that holds it (once, from one data-parallel copy) and reads it back into whichever rank asks
+  for it. Under DDP a stage's tensors are whole, so another pp size simply asks for other keys: DCP
+  reshards a DDP checkpoint by itself. One thing does overlap: the optimizer's `param_groups` (lr,
+  betas, ...), which DCP writes once under one key, with one stage's list of parameter names. On
+  load each stage keeps the saved hyperparameters and puts its own names back (`own_param_groups`).
+  ZeRO's flats are a stage's buckets, laid out for that stage's parameters: a checkpoint of them
+  resumes at its own layout only, which it records (`LAYOUT`) and checks (`check_layout`).
+
+- **full**: exactly what a run without a pipeline writes: the whole model's weights by name (a
+  `from_pretrained` folder) and its optimizer state by parameter name, on rank 0. The stages' pieces
+  are joined on rank 0 (`loop.join_stages`, one tensor at a time), the moments keyed (name, moment)
+  and the param_groups' names concatenated in stage order. Loading sends every tensor from rank 0
+  to all ranks, one at a time, and each keeps the keys of its own stage (`stage_part_from_rank0`):
+  so it loads at any pp size, 1 included (the code a run without --pp_size always had).
+"""
+
+import torch
+import torch.distributed as dist
+
+from minidist.parallel.flat import collective_device
+from minidist.parallel.pipeline.loop import join_stages
+from minidist.runtime.errors import UsageError
+
+LAYOUT = "pipeline_layout"  # a sharded ZeRO checkpoint's (pp size, data-parallel ranks)
+
+
+# ---------------------------------------------------------------- sharded: what overlaps, and the layout
+def own_param_groups(saved: list[dict], live: list[dict]) -> list[dict]:
+    """The saved param_groups' hyperparameters with this stage's own parameter names (`live`: this
+    rank's optimizer state dict's groups): DCP kept one stage's names under the one key all share."""
+    if len(saved) != len(live):
+        raise UsageError(f"this checkpoint's optimizer has {len(saved)} parameter groups and this run's {len(live)}: "
+                         f"resume with the options that wrote it")
+    return [{**group, "params": mine["params"]} for group, mine in zip(saved, live)]
+
+
+def layout(mesh) -> torch.Tensor:
+    """What a sharded ZeRO checkpoint of a pipeline records (`LAYOUT`): its pp size and data-parallel ranks."""
+    return torch.tensor([mesh.pp_size, mesh.size])
+
+
+def check_layout(saved: torch.Tensor, mesh) -> None:
+    """Refuse, in one line (a UsageError, on every rank alike), a sharded ZeRO checkpoint of another
+    pp size or number of data-parallel ranks: each stage's flats are laid out for its own parameters."""
+    pp, dp = saved.tolist()
+    if (pp, dp) != (mesh.pp_size, mesh.size):
+        raise UsageError(f"this sharded checkpoint was written at --pp_size {pp} on {dp} data-parallel ranks, and this "
+                         f"run has {mesh.pp_size} on {mesh.size}: a sharded ZeRO checkpoint of a pipeline resumes at "
+                         f"its own layout; resume with that layout, or save with --checkpoint_format full")
+
+
+def check_sharded(optim_sd: dict, full: bool, mesh) -> None:
+    """What ZeRO's flats under a pipeline load, each refusal in one line: a sharded checkpoint of
+    this layout (`LAYOUT` popped from `optim_sd`); a full one not yet (its flats are another run's buckets)."""
+    if full:
+        raise UsageError("a full checkpoint does not load into ZeRO's flats under --pp_size yet: resume it with "
+                         "--strategy ddp, or without --pp_size")
+    check_layout(optim_sd.pop(LAYOUT), mesh)
+
+
+# ---------------------------------------------------------------- full: the stages joined on rank 0
+def joined_state_dict(module, optimizer, mesh) -> tuple[dict, dict]:
+    """The whole model's weights and optimizer state (by parameter name, as a run without a pipeline
+    writes them) on rank 0's CPU, from the stages of `module` (this rank's, unwrapped); {} elsewhere.
+    Every rank calls it; the stages' data-parallel rank 0 hold what is joined."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    holder = mesh.rank == 0
+    model_sd, optim_sd = get_state_dict(module, optimizer)  # this stage's own tensors, by the whole model's names
+    weights = {name: t.detach().to("cpu", copy=True) for name, t in model_sd.items()} if holder else None
+    weights = join_stages(weights, mesh)
+    moments = None
+    if holder:  # one flat dict for join_stages: (name, "step" | "exp_avg" | "exp_avg_sq") -> tensor
+        moments = {(name, key): t.detach().to("cpu", copy=True)
+                   for name, state in optim_sd["state"].items() for key, t in state.items()}
+    moments = join_stages(moments, mesh)
+    groups = _joined_param_groups(optim_sd["param_groups"] if holder else None, mesh)
+    if dist.get_rank() != 0:
+        return {}, {}
+    state = {}
+    for (name, key), t in moments.items():
+        state.setdefault(name, {})[key] = t
+    return weights, {"state": state, "param_groups": groups}
+
+
+def _joined_param_groups(groups: list[dict] | None, mesh) -> list[dict] | None:
+    """The stages' param_groups (on their holders) as one list on rank 0: each group's names, stage
+    after stage (the order matters not: PyTorch's helpers load by name). None on the other ranks."""
+    if groups is None:
+        return None
+    every = [None] * mesh.pp_size
+    dist.gather_object(groups, every if mesh.pp_rank == 0 else None, dst=dist.get_global_rank(mesh.pp_group, 0),
+                       group=mesh.pp_group)
+    if dist.get_rank() != 0:
+        return None
+    return [{**group, "params": [name for stage in every for name in stage[i]["params"]]}
+            for i, group in enumerate(every[0])]
+
+
+@torch.no_grad()
+def stage_part_from_rank0(whole: dict | None, wanted) -> dict:
+    """Rank 0's whole tensors (`whole`, by key; None elsewhere) sent to every rank, one at a time;
+    each rank keeps, on the CPU, those whose key `wanted(key)` says its stage holds. Once, outside any
+    step: `dist`, not the counted `comm`."""
+    names = [{key: (t.shape, t.dtype) for key, t in whole.items()} if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    kept = {}
+    for key, (shape, dtype) in names[0].items():
+        tensor = whole[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype)
+        sent = tensor.to(collective_device(tensor, None)).contiguous()
+        dist.broadcast(sent, src=0)
+        if wanted(key):
+            kept[key] = sent.cpu()
+        del sent
+    return kept
+
+
+def load_stage(module, optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Load a full checkpoint of any pp size (rank 0 holds it; the others pass {}) into this rank's
+    stage (`module`, unwrapped) and its optimizer: each stage takes its own keys."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    mine, live = dsd.get_state_dict(module, optimizer)  # this stage's names, and its optimizer's groups
+    rank0 = dist.get_rank() == 0
+    model_sd = stage_part_from_rank0(model_sd if rank0 else None, lambda name: name in mine)
+    moments = {(name, key): t for name, s in optim_sd["state"].items() for key, t in s.items()} if rank0 else None
+    state = {}
+    for (name, key), t in stage_part_from_rank0(moments, lambda k: k[0] in mine).items():
+        state.setdefault(name, {})[key] = t
+    groups = [optim_sd["param_groups"] if rank0 else None]
+    dist.broadcast_object_list(groups, src=0)
+    optim_sd = {"state": state, "param_groups": own_param_groups(groups[0], live["param_groups"])}
+    dsd.set_optimizer_state_dict(module, optimizer, optim_sd)
+    dsd.set_model_state_dict(module, model_sd)
