@@ -607,8 +607,12 @@ class TorchFSDP(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # Gathers one tensor at a time to rank 0's CPU memory: no GPU ever holds the whole model.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # PyTorch's rank 0 is the world's; under a pipeline every stage's first rank keeps its stage,
+        # which then stays whole on the GPUs of the stage until it moves to the CPU and is joined.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not self.pipeline)
         state = get_model_state_dict(model, options=options)
+        if self.pipeline:
+            return self._full(lambda: {name: tensor.cpu() for name, tensor in state.items()})
         return state if self.env.is_main else None
 
 

@@ -24,6 +24,7 @@ from minidist.chess.games import bundled_games
 from minidist.step import lr_schedule
 from minidist.runtime.launch import launch
 from in_process import run_here
+from interrupted import few_games
 from reference import train_reference
 from train_workers import run_finetunes, run_finetunes_then_leave
 
@@ -31,16 +32,18 @@ STEPS, SEQ, LR, SEED = 4, 48, 3e-3, 3
 
 
 def common_args(model, out, name):
+    # 64 games (`runs` writes them), the reference's too: tokenizing all 3,000 in every rank of every run cost more.
     return ["--model", model, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR),
-            "--warmup_steps", "2", "--seed", str(SEED), "--eval_prefixes", "0", "--output_dir", str(out / name)]
+            "--warmup_steps", "2", "--seed", str(SEED), "--eval_prefixes", "0", "--output_dir", str(out / name),
+            "--data", str(out / "games.jsonl")]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Losses and final weights of a plain single-process run on a global batch of 4."""
+def reference(tiny_model, runs):
+    """Losses and final weights of a plain single-process run on a global batch of 4, of the runs' games."""
     args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
     losses, parameters, _ = train_reference(tiny_model, steps=STEPS, global_batch=4, seq_len=SEQ, lr=LR, seed=SEED,
-                                            lr_lambda=lambda s: lr_schedule(s, args))
+                                            lr_lambda=lambda s: lr_schedule(s, args), data=runs[0] / "games.jsonl")
     return losses, parameters
 
 
@@ -67,6 +70,15 @@ SPLITS = [  # (implementation, strategy, world size, batch per device, accumulat
     # PyTorch's own (parallelize_module, then fully_shard on the data dimension): the reference.
     ("torch", "fsdp", 2, 4, 1, ["--tp_size", "2"]),
     ("torch", "fsdp", 4, 1, 2, ["--tp_size", "2", "--sequence_parallel", "--gradient_checkpointing"]),
+    # Pipeline parallelism (lesson 12): the layers cut into --pp_size stages, the accumulation steps the
+    # pipeline's micro-batches, the data-parallel strategy over each stage's ranks (world / pp / tp).
+    ("minidist", "ddp", 2, 2, 2, ["--pp_size", "2"]),
+    ("minidist", "ddp", 2, 1, 4, ["--pp_size", "2", "--pp_schedule", "gpipe"]),
+    ("minidist", "zero1", 4, 1, 2, ["--pp_size", "2"]),
+    # 3-D: 2 stages x 2 tensor-parallel slices x 2 data-parallel ranks, on 8 ranks.
+    ("minidist", "ddp", 8, 1, 2, ["--pp_size", "2", "--tp_size", "2", "--gradient_checkpointing"]),
+    # PyTorch's own schedules (torch.distributed.pipelining) around the same stages, FSDP2 over each stage.
+    ("torch", "fsdp", 4, 1, 2, ["--pp_size", "2"]),
 ]
 
 
@@ -99,6 +111,7 @@ def runs(tiny_model, tmp_path_factory):
     launch (one after the other in the same ranks), because starting the ranks costs more than a
     4-step run of the tiny model; each run still starts from its own seed and output folder."""
     out = tmp_path_factory.mktemp("finetune")
+    few_games(out)  # out/games.jsonl: what every run and the reference read (common_args)
     by_world = {}
     for impl, strategy, world, batch, accum, extra in SPLITS:
         by_world.setdefault(world, []).append(split_argv(tiny_model, out, impl, strategy, world, batch, accum, extra))
@@ -139,6 +152,8 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
     assert all(r["comm_bytes_tensor_parallel"] is None for r in records) or "--tp_size" in extra
     if impl == "torch":
         assert [r["comm_bytes"] for r in records] == [None] * STEPS
+    elif "--pp_size" in extra:  # activations between stages, counted exactly in tests/parallel/test_pipeline.py
+        assert all(r["comm_bytes"] > 0 for r in records)
     elif "--tp_size" in extra:  # activations, counted exactly in tests/parallel/test_tensor_bytes.py, and apart
         tp = int(extra[extra.index("--tp_size") + 1])
         for r in records:
