@@ -18,6 +18,11 @@ by default the ranks of a node: `mesh.data_parallel_mesh` builds the groups). `c
 (ZeRO-Offload: `offload.py`) applies to the strategies that shard the optimizer states, by hand
 or PyTorch's FSDP2 (its `CPUOffloadPolicy`); DDP has no shard to put on the host.
 
+`tp_size` and `sequence_parallel` cut each layer over ranks that see the same batch (lesson 11);
+`pp_size` and `pp_schedule` cut the model by depth into stages, the accumulation steps becoming the
+pipeline's micro-batches (lesson 12). Each composes with the data-parallel strategies its list names
+(`TENSOR_PARALLEL_WITH`, `PIPELINE_WITH`); the rest is refused in one line.
+
 `accumulate_sharded` chooses how micro-batches accumulate where gradients are sharded (ZeRO-2,
 FSDP, HSDP, by hand or FSDP2): by default under `no_sync`, each rank keeping full-size gradients
 until the last micro-batch; with it, each micro-batch is reduce-scattered and only the shard's sum

@@ -23,6 +23,11 @@ With `--tp_size` (lesson 11) the mesh has a tensor-parallel dimension too: the s
 model over it before wrapping it over the data-parallel one (`cut_layers`: `tensor/llama.py` by
 hand, `tensor/reference.py` for PyTorch's), and the places the cut shows are the loss (from the
 vocabulary's slices), clipping (a norm summed over the slices) and the weights it saves.
+With `--pp_size` (lesson 12) each rank keeps one stage of the model (`cut_stage`, after the
+tensor-parallel cut and before the data-parallel wrapper), `step.train_step` hands the step to
+`pipeline_step` (a schedule over the micro-batches: `pipeline/loop.py`), clipping sums the stages'
+squares, the saved weights are the stages joined, and the legal-move rate generates through the
+stages (`continue_fn`).
 
 `Strategy` itself is what a model replicated on every rank needs (both DDPs): one class per
 strategy below overrides only what it does differently. ZeRO and FSDP by hand share
