@@ -90,6 +90,10 @@ BF16 = [  # (implementation, strategy, extra flags): 2 ranks, 2 sequences per de
     # Tensor parallelism in bf16: one data-parallel rank of 2 tensor-parallel ones, so 4 sequences each.
     ("minidist", "ddp", ["--tp_size", "2", "--batch_size_per_device", "4"]),
     ("minidist", "fsdp", ["--tp_size", "2", "--sequence_parallel", "--batch_size_per_device", "4"]),
+    # A pipeline in bf16: two stages on the 2 ranks, 2 micro-batches of 2. PyTorch's pipelining must be told
+    # the activations' dtype (bf16 under FSDP2's policy, the parameters fp32): told fp32, step 1 was NaN.
+    ("minidist", "ddp", ["--pp_size", "2", "--gradient_accumulation_steps", "2"]),
+    ("torch", "fsdp", ["--pp_size", "2", "--gradient_accumulation_steps", "2"]),
 ]
 
 

@@ -59,7 +59,7 @@ class Pipeline:
                 from minidist.parallel.pipeline.reference import TorchExecutor
 
                 self.torch_executor = TorchExecutor(self.stage, self.schedule, len(micro_batches),
-                                                    self.mesh.pp_group, self.mesh.size)
+                                                    self.mesh.pp_group, self.mesh.size, self.executor.dtype)
             loss_sum = self.torch_executor.step(micro_batches, num_targets)
         else:
             table = schedules.table(self.schedule, len(micro_batches), self.stage.pp)

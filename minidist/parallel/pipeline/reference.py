@@ -84,7 +84,8 @@ class StageModule(nn.Module):
 class TorchExecutor:
     """Runs one step's micro-batches on `stage` with PyTorch's schedule `schedule_name` ("gpipe" or
     "1f1b"), `m` micro-batches per step; `group`: the pipeline's process group (None: the world), in
-    which the stage's rank is its place; `dp_size`: the data-parallel world the loss is scaled by.
+    which the stage's rank is its place; `dp_size`: the data-parallel world the loss is scaled by;
+    `dtype`: what crosses a cut (default: the parameters' dtype).
 
     `step(micro_batches, num_targets)` takes what `executor.Executor.step` takes, less the table."""
 
@@ -92,7 +93,7 @@ class TorchExecutor:
     # micro-batch); this loss is already divided by the global batch's target count.
     scale_grads = False
 
-    def __init__(self, stage, schedule_name: str, m: int, group=None, dp_size: int = 1):
+    def __init__(self, stage, schedule_name: str, m: int, group=None, dp_size: int = 1, dtype=None):
         schedules.table(schedule_name, m, stage.pp)  # the hand-written executor's refusals, in its words
         if dist.get_rank(group) != stage.rank or dist.get_world_size(group) != stage.pp:
             raise ValueError(f"stage {stage.rank} of {stage.pp} must run on rank {stage.rank} of a group of "
@@ -102,7 +103,10 @@ class TorchExecutor:
         use_1f1b = schedule_name == "1f1b" and m >= stage.pp  # PyTorch refuses 1F1B with m < p (module doc)
         self.schedule_class = Schedule1F1B if use_1f1b else ScheduleGPipe
         parameter = next(stage.parameters())
-        self.dtype, self.device = parameter.dtype, parameter.device
+        # What crosses a cut has the compute dtype (`dtype`: bf16 under FSDP2's mixed precision, whose
+        # parameters stay fp32); told the parameters' dtype instead, PyTorch's fp32 receive buffers
+        # would take bf16 activations, and the loop's first bf16 step came out NaN.
+        self.dtype, self.device = dtype or parameter.dtype, parameter.device
         self.shape, self.schedule = None, None
 
     def step(self, micro_batches: list[dict], num_targets: int):
