@@ -11,6 +11,7 @@
 #   ACCUMULATE_SHARDED=0 sbatch slurm/chess_finetune.sh               # accumulate full gradients under no_sync
 #   sbatch slurm/chess_finetune.sh --gradient_checkpointing           # trade compute for memory
 #   sbatch slurm/chess_finetune.sh --tp_size 2                        # tp 2 x FSDP 2: lesson 11 (the batch splits over 2)
+#   IMPL=torch sbatch slurm/chess_finetune.sh --pp_size 2             # pp 2 x FSDP2 2: lesson 12 (the batch splits over 2)
 #   sbatch --nodes 2 slurm/chess_finetune.sh                          # 8 GPUs on 2 nodes: HSDP
 #   sbatch --nodes 2 slurm/chess_finetune.sh --strategy fsdp          # 8 GPUs, flat FSDP over all 8
 #
@@ -158,22 +159,29 @@ read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT; or one line if
 model_cache      # HF_HOME, off the home directory; or one line
 
 # The total batch stays fixed; whatever one device cannot hold at once is accumulated. With
-# --tp_size T among the arguments (lesson 11), T GPUs share each micro-batch: the batch is split
-# over the WORLD_SIZE / T data-parallel ranks only.
+# --tp_size T among the arguments (lesson 11), T GPUs share each micro-batch; with --pp_size P
+# (lesson 12), the P stages of a pipeline do: the batch is split over the WORLD_SIZE / (T x P)
+# data-parallel ranks only (and a pipeline's micro-batches are the accumulation steps).
 WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
-TP_SIZE=1 ARGS=("$@")
+TP_SIZE=1 PP_SIZE=1 ARGS=("$@")
 for i in "${!ARGS[@]}"; do
     case ${ARGS[i]} in
         --tp_size=*) TP_SIZE=${ARGS[i]#--tp_size=} ;;
         --tp_size) TP_SIZE=${ARGS[i + 1]:-} ;;
+        --pp_size=*) PP_SIZE=${ARGS[i]#--pp_size=} ;;
+        --pp_size) PP_SIZE=${ARGS[i + 1]:-} ;;
     esac
 done
-if [[ ! $TP_SIZE =~ ^[1-9][0-9]*$ ]] || (( WORLD_SIZE % TP_SIZE != 0 )); then
-    echo "error: --tp_size $TP_SIZE must be a whole number that divides the $WORLD_SIZE GPUs of the job" >&2
-    exit 2
-fi
-DATA_PARALLEL=$((WORLD_SIZE / TP_SIZE)) SPLIT="$WORLD_SIZE GPUs"
-(( TP_SIZE > 1 )) && SPLIT="$DATA_PARALLEL data-parallel rank(s) ($WORLD_SIZE GPUs / --tp_size $TP_SIZE)"
+for size in "--tp_size $TP_SIZE" "--pp_size $PP_SIZE"; do
+    if [[ ! ${size#* } =~ ^[1-9][0-9]*$ ]] || (( WORLD_SIZE % ${size#* } != 0 )); then
+        echo "error: $size must be a whole number that divides the $WORLD_SIZE GPUs of the job" >&2
+        exit 2
+    fi
+done
+DATA_PARALLEL=$((WORLD_SIZE / TP_SIZE / PP_SIZE)) SPLIT="$WORLD_SIZE GPUs" CUTS=""
+(( TP_SIZE > 1 )) && CUTS+=" / --tp_size $TP_SIZE"
+(( PP_SIZE > 1 )) && CUTS+=" / --pp_size $PP_SIZE"
+[[ -n $CUTS ]] && SPLIT="$DATA_PARALLEL data-parallel rank(s) ($WORLD_SIZE GPUs$CUTS)"
 PER_STEP=$((DATA_PARALLEL * BATCH_SIZE_PER_DEVICE))
 if (( TOTAL_BATCH_SIZE % PER_STEP != 0 )); then
     echo "error: TOTAL_BATCH_SIZE=$TOTAL_BATCH_SIZE is not divisible by $SPLIT x BATCH_SIZE_PER_DEVICE=$BATCH_SIZE_PER_DEVICE; pick sizes whose product divides it" >&2
@@ -183,7 +191,7 @@ GRADIENT_ACCUMULATION_STEPS=$((TOTAL_BATCH_SIZE / PER_STEP))
 
 echo "job ${SLURM_JOB_ID:-?} (start $((${SLURM_RESTART_COUNT:-0} + 1))): $NNODES node(s) x $GPUS_PER_NODE GPUs, rendezvous $HEAD_NODE:$MASTER_PORT," \
      "total batch $TOTAL_BATCH_SIZE = $BATCH_SIZE_PER_DEVICE x $DATA_PARALLEL x $GRADIENT_ACCUMULATION_STEPS accumulation$( \
-     (( TP_SIZE > 1 )) && echo " over $SPLIT")"
+     [[ -n $CUTS ]] && echo " over $SPLIT")"
 describe_nodes  # one line per node: GPUs, driver, torch, CUDA, NCCL, network variables
 CONSTRAINT=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.* Features=\([^ ]*\).*/\1/p') || true
 echo "GPU constraint: $( [[ -n $CONSTRAINT && $CONSTRAINT != "(null)" ]] && echo "$CONSTRAINT" ||

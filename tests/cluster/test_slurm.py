@@ -80,6 +80,11 @@ LESSONS = {
                                    # chess_finetune.sh splits the batch over the data-parallel ranks only
                                    "accumulation over 1 data-parallel rank(s) (4 GPUs / --tp_size 4)",
                                    "accumulation over 2 data-parallel rank(s) (4 GPUs / --tp_size 2)"]},
+    # The job's 2 "GPUs" as 2 pipeline stages (FSDP2 over 1 rank each), PyTorch's schedule.
+    "12_pipeline_parallel": {"log": ["lesson 12 (splitting the model by depth): pp 2 x FSDP2 1 on 1 node(s)",
+                                     "torch/fsdp x pipeline 2 (1f1b) on 2 x cpu", "pp2 step 2: loss",
+                                     # chess_finetune.sh splits the batch over the data-parallel ranks only
+                                     "accumulation over 1 data-parallel rank(s) (2 GPUs / --pp_size 2)"]},
 }
 LESSON_SCRIPTS = sorted(SLURM.glob("[0-9][0-9]_*.sh"))
 VENV_BIN = Path(sys.executable).parent
