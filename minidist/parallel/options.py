@@ -155,7 +155,9 @@ class ParallelOptions:
                              f"not {self.name}")
         if self.impl == "torch" and self.tp_size > 1:
             raise ValueError("--impl torch with --pp_size and --tp_size has not been built: use --impl minidist")
-        for flag in ("sequence_parallel", "cpu_offload"):
+        # accumulate_sharded: PyTorch's schedule decides itself which backward reduce-scatters, and the
+        # hand-written pipeline composes with no strategy the flag applies to.
+        for flag in ("sequence_parallel", "cpu_offload", "accumulate_sharded"):
             if getattr(self, flag):
                 raise ValueError(f"--{flag} with --pp_size has not been built: use one or the other")
 

@@ -149,6 +149,8 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--impl", "minidist", "--strategy", "fsdp", "--pp_size", "2"],
      "error: --pp_size composes with minidist/ddp or minidist/zero1 or torch/fsdp over the data-parallel ranks, "
      "not minidist/fsdp"),
+    (["--impl", "torch", "--strategy", "fsdp", "--pp_size", "2", "--accumulate_sharded"],
+     "error: --accumulate_sharded with --pp_size has not been built: use one or the other"),
 ]
 
 
