@@ -54,7 +54,7 @@ def check_layout(saved: torch.Tensor, mesh) -> None:
     if (pp, dp) != (mesh.pp_size, mesh.size):
         raise UsageError(f"this sharded checkpoint was written at --pp_size {pp} on {dp} data-parallel ranks, and this "
                          f"run has {mesh.pp_size} on {mesh.size}: a sharded ZeRO checkpoint of a pipeline resumes at "
-                         f"its own layout; resume with that layout, or save with --checkpoint_format full")
+                         f"its own layout: resume with that one (full checkpoints of ZeRO-1 under a pipeline are not built yet)")
 
 
 def check_sharded(optim_sd: dict, full: bool, mesh) -> None:
