@@ -19,9 +19,9 @@ activations of all m micro-batches at once, before the first backward frees any.
 step as PipeDream-Flush, Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training";
 Megatron-LM's default): stage r runs p - 1 - r forwards to fill the pipeline (the warm-up), then
 alternates one forward and one backward (the steady state), then runs the backwards left (the
-cool-down). A backward frees a micro-batch's activations as soon as the next forward would make one more, so stage r holds at
-most p - r micro-batches, not m. Both schedules idle the same (p - 1) / (m + p - 1) of the time
-(the bubble): 1F1B saves memory, not time.
+cool-down). A backward frees a micro-batch's activations as soon as the next forward would make
+one more, so stage r holds at most p - r micro-batches, not m. Both schedules idle the same
+(p - 1) / (m + p - 1) of the time (the bubble): 1F1B saves memory, not time.
 
 **1F1B with fewer micro-batches than stages** (m < p) is not refused: the warm-up is capped at m,
 so the first stages run every forward before any backward, as GPipe does, and the last stages
