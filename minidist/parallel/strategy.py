@@ -286,7 +286,8 @@ class Strategy:
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
             return _clip_by_stages(grads, norm, max_norm, self._norm_groups())
-        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+        # (torch's clip takes the parameters, and reads their .grad)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
     def full_state_dict(self, model) -> dict | None:
