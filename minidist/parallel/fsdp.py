@@ -48,6 +48,21 @@ its own in the reduction's dtype (`reduce_dtype`, fp32 by default; `Unit._take_g
 synchronising micro-batch reduce-scatters that sum. As FSDP2: 4 bytes an element kept between
 micro-batches, not 2.
 
+**Under a pipeline** (`--pp_size`, lesson 12: `pipeline/executor.py`). The wrapper goes around one
+stage, and the schedule runs several forwards before their backwards (GPipe all m micro-batches,
+1F1B up to p), the backwards in any order the executor allows. A unit's life above holds for each
+micro-batch: each forward frees its layers (every micro-batch's graph keeps views of the freed
+storage), and each micro-batch's backward gathers them again, into the same storage, at its
+pre-backward hook. That a unit is gathered for backward is forgotten when each backward pass ends
+(`_end_backward`), not at the next forward: the next backward may be another micro-batch's, with
+no forward between. The root stays gathered from a forward until the next backward frees it, and
+the next forward or backward gathers it again: a step of m micro-batches gathers it m times, as
+the loop's accumulation over k = m micro-batches does, so the bytes above hold with P the stage's
+parameters. The executor runs every backward of the rank's list but the last under `no_sync`:
+each unit keeps its gradients summed in the reduction's dtype (`Unit._take_grad`), and the last
+reduce-scatters them once. With activation checkpointing, a layer recomputed in backward reads the
+views its latest forward made: views of the same storage, gathered for this backward.
+
 **Sharded accumulation** (`--accumulate_sharded`: the strategy's `no_sync` is then a null
 context). Every micro-batch synchronises: each unit is reduce-scattered at its post-backward as
 in the last one, and `Unit.accumulate` adds the new shard into `flat_param.grad` (fp32). So no
@@ -216,6 +231,7 @@ class FullyShardedDataParallel(DataParallelWrapper):
         offload.wait_for_copies()  # --cpu_offload: the gradient shards' copies to the host, before the CPU reads them
         for unit in self.units:  # a prefetched unit that did not run after all
             unit.free()
+            unit.gathered_for_backward = False  # the next backward (another micro-batch's) gathers again
         self.in_backward = False
 
     def _count_unsharded(self, change: int) -> None:

@@ -153,7 +153,7 @@ class Unit:
 
     def pre_backward(self, grad):
         self.fsdp.start_backward()
-        if not self.gathered_for_backward:  # once, however many outputs the unit has
+        if not self.gathered_for_backward:  # once a backward pass (fsdp._end_backward forgets it), however many outputs
             self.gathered_for_backward = True
             root = self.fsdp.root
             if self is not root and not root.layout.numel:
