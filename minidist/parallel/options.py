@@ -153,8 +153,6 @@ class ParallelOptions:
         if self.name not in PIPELINE_WITH:
             raise ValueError(f"--pp_size composes with {' or '.join(PIPELINE_WITH)} over the data-parallel ranks, "
                              f"not {self.name}")
-        if self.impl == "torch" and self.tp_size > 1:
-            raise ValueError("--impl torch with --pp_size and --tp_size has not been built: use --impl minidist")
         # accumulate_sharded: PyTorch's schedule decides itself which backward reduce-scatters, and the
         # hand-written pipeline composes with no strategy the flag applies to.
         for flag in ("sequence_parallel", "cpu_offload", "accumulate_sharded"):

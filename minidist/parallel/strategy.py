@@ -164,7 +164,8 @@ class Strategy:
             self._pipeline = Pipeline(self._stage, model, self.mesh, self.options.value("pp_schedule"),
                                       no_sync=lambda: self.no_sync(model), dtype=self._activation_dtype,
                                       device=self.env.device, impl=self.options.impl)
-        return self._pipeline.step(micro_batches, num_targets)
+        with self.loss_context():  # PyTorch's tensor-parallel loss: the schedule runs forwards and backwards
+            return self._pipeline.step(micro_batches, num_targets)
 
     def continue_fn(self):
         """What the legal-move rate generates with (`legal_moves.legal_move_rate`): None, its own
@@ -560,6 +561,7 @@ class TorchFSDP(Strategy):
 
     # PyTorch's tensor parallelism (`tensor/reference.py`): `parallelize_module`, then fully_shard on
     # the data-parallel dimension, as torchtitan composes them. Its logits are a DTensor cut by vocabulary.
+    # Under --pp_size the stage is cut first (`wrap`), then its own layers (pp x tp x dp: torchtitan's order).
     def cut_layers(self, model):
         if self.tensor_parallel:
             from minidist.parallel.tensor.reference import parallelize_llama_torch
@@ -567,7 +569,8 @@ class TorchFSDP(Strategy):
             for line in parallelize_llama_torch(model, self.mesh.tp_device_mesh(), self.options.sequence_parallel):
                 if self.env.is_main:
                     print(line)
-            model.lm_head.register_forward_hook(_whole_logits_in_eval)
+            if hasattr(model, "lm_head"):  # --pp_size: the last stage's
+                model.lm_head.register_forward_hook(_whole_logits_in_eval)
         return model
 
     def clip_grad_norm_(self, model, max_norm):
@@ -582,6 +585,8 @@ class TorchFSDP(Strategy):
             by_mesh.setdefault(grad.device_mesh, []).append(grad)
         norms = [torch.nn.utils.get_total_norm(same, 2.0).full_tensor() for same in by_mesh.values()]
         norm = torch.linalg.vector_norm(torch.stack(norms))
+        if self.pipeline:  # this stage's norm: the stages' squares summed
+            return _clip_by_stages(grads, norm, max_norm, self._norm_groups())
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the same formula as torch's clip_grad_norm_
         with torch.no_grad():
             for grad in grads:  # each rank scales its own shard; the DTensor is a view of it
@@ -617,6 +622,11 @@ class TorchFSDP(Strategy):
         # which then stays whole on the GPUs of the stage until it moves to the CPU and is joined.
         options = StateDictOptions(full_state_dict=True, cpu_offload=not self.pipeline)
         state = get_model_state_dict(model, options=options)
+        if self.pipeline and self.tensor_parallel:  # whole over the slices too (DTensors gathered): join the stages
+            from minidist.parallel.pipeline.loop import join_stages
+
+            return join_stages({name: tensor.cpu() for name, tensor in state.items()} if self.mesh.rank == 0 else None,
+                               self.mesh)
         if self.pipeline:
             return self._full(lambda: {name: tensor.cpu() for name, tensor in state.items()})
         return state if self.env.is_main else None

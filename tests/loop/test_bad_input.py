@@ -151,6 +151,9 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
      "not minidist/fsdp"),
     (["--impl", "torch", "--strategy", "fsdp", "--pp_size", "2", "--accumulate_sharded"],
      "error: --accumulate_sharded with --pp_size has not been built: use one or the other"),
+    # PyTorch's pp x tp runs (tests/loop/test_finetune.py); sequence parallelism under a pipeline does not.
+    (["--impl", "torch", "--strategy", "fsdp", "--pp_size", "2", "--tp_size", "2", "--sequence_parallel"],
+     "error: --sequence_parallel with --pp_size has not been built: use one or the other"),
 ]
 
 

@@ -79,6 +79,11 @@ SPLITS = [  # (implementation, strategy, world size, batch per device, accumulat
     ("minidist", "ddp", 8, 1, 2, ["--pp_size", "2", "--tp_size", "2", "--gradient_checkpointing"]),
     # PyTorch's own schedules (torch.distributed.pipelining) around the same stages, FSDP2 over each stage.
     ("torch", "fsdp", 4, 1, 2, ["--pp_size", "2"]),
+    # PyTorch's 3-D, composed as torchtitan does: the stages cut first, each stage's layers over its tensor-parallel
+    # ranks (parallelize_module), then FSDP2 over its data-parallel ones: pp 2 x tp 2 x FSDP2 2 on 8 ranks.
+    ("torch", "fsdp", 8, 1, 2, ["--pp_size", "2", "--tp_size", "2"]),
+    ("torch", "fsdp", 8, 1, 2, ["--pp_size", "2", "--tp_size", "2", "--pp_schedule", "gpipe",
+                                "--gradient_checkpointing"]),
 ]
 
 

@@ -50,9 +50,20 @@ through `p2p.py`, so the bytes the hand-written pipeline counts are not counted 
 count them by wrapping `torch.distributed.isend`: the same activations and gradients as by hand,
 plus the vote.
 
-**What it does not do (yet).** The receive buffers take the parameters' dtype, as the executor's
-do by default: under a mixed-precision autocast what crosses is the compute dtype, which the
-executor can be told and this one cannot. The stage runs as it is, with no data-parallel wrapper
+**Under tensor parallelism too** (`--impl torch --strategy fsdp --pp_size P --tp_size T`, the 3-D
+mesh of `mesh.py`), the loop composes PyTorch's three as torchtitan does: the model cut into stages
+first, then each stage's layers over its tensor-parallel ranks (`tensor/reference.py`'s plan, by
+`parallelize_module`), then `fully_shard` over its data-parallel ranks, and this executor runs the
+stage over the pipeline group. Nothing here changes for it: what crosses a cut is still a plain
+(rows, tokens, hidden) tensor, whole on every tensor-parallel rank (the row-parallel output projections
+and the embedding end in an all-reduce), so the shapes told above still hold; the gradient sent back
+is whole too (the block's entry all-reduces it, Megatron's f). The last stage's loss comes from the
+logits cut by vocabulary, under `loss_parallel()`, which the strategy holds around the whole schedule
+(`strategy.Strategy.pipeline_step`): the schedule runs the forwards and the backwards inside `step`,
+and DTensor's loss needs the context for both (left out, the first forward raised "aten.nll_loss_forward
+.default got mixed torch.Tensor and DTensor": seen).
+
+**What it does not do (yet).** The stage runs as it is, with no data-parallel wrapper
 around it (PyTorch's stage would handle a DDP or FSDP2 module itself: no_sync, and the reduction
 after the last backward). Checked on CPU ranks (gloo) only.
 """

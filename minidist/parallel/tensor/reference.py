@@ -62,7 +62,10 @@ What we found in torch 2.13, on CPU ranks with gloo (all of it runs there; nothi
 
 Only tensor parallelism is here. torchtitan composes it with data parallelism by calling
 `fully_shard` on the data dimension of a 2-D mesh afterwards, on the DTensor parameters, and so
-does the loop (`--impl torch --strategy fsdp --tp_size T`: `strategy.TorchFSDP`).
+does the loop (`--impl torch --strategy fsdp --tp_size T`: `strategy.TorchFSDP`). With a pipeline
+too (`--pp_size P`, lesson 12), torchtitan cuts the model into stages first and parallelizes each
+stage alone, on the tensor dimension of the 3-D (pp, dp, tp) mesh: `parallelize_llama_torch` takes a
+stage (`pipeline/stages.Stage`) as it takes the whole model, and `fully_shard` follows on the stage.
 """
 
 import torch
@@ -156,23 +159,44 @@ def uneven_rows(vocab_size: int, tp: int) -> list[int]:
 def parallelize_llama_torch(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> list[str]:
     """Cut `model` (a Llama for causal LM, the same weights on every rank) over the 1-D `tp_mesh`
     with PyTorch's parallel styles, in place. Returns what a learner should be told (how the
-    vocabulary was cut), as `llama.parallelize_llama` does."""
+    vocabulary was cut), as `llama.parallelize_llama` does.
+
+    `model` may also be a pipeline stage of one (`pipeline/stages.Stage`, `--pp_size`): torchtitan
+    cuts the model by depth first, then each stage over its tensor-parallel ranks, so that no rank
+    cuts (or sends slices of) layers it does not keep. A stage is cut by the same plan: its layers,
+    and the embedding (first stage) or the head (last stage) where it holds them; what crosses to
+    the next stage is then the plain residual stream, whole on every tensor-parallel rank."""
     tp = tp_mesh.size()
-    check_splittable(model, tp)
-    for layer in model.model.layers:
+    layers = model.model.layers
+    if isinstance(layers, nn.ModuleDict):  # a stage: its layers keyed by their index in the whole model,
+        layers = layers.values()  # which `strategy.check_model` checked before the cut
+    else:
+        check_splittable(model, tp)
+    for layer in layers:
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
-    top = {"model.embed_tokens": embedding(), "lm_head": head(sequence_parallel)}
+    top = {name: style for name, style in (("model.embed_tokens", embedding()), ("lm_head", head(sequence_parallel)))
+           if _holds(model, name)}
     if sequence_parallel:
         top.update({"model.layers.0": split_first_layer(), "model.norm": sequence_norm()})
-    parallelize_module(model, tp_mesh, top)
+    if top:  # a middle stage holds layers only
+        parallelize_module(model, tp_mesh, top)
     if model.config.tie_word_embeddings:  # each style made a DTensor of its own: one matrix again
         model.lm_head.weight = model.model.embed_tokens.weight
     rows = uneven_rows(model.config.vocab_size, tp)
-    if len(set(rows)) == 1:
+    if len(set(rows)) == 1 or not top:  # evenly, or no vocabulary here to cut
         return []
     cut = ", ".join(map(str, rows))
     said = f"vocabulary of {model.config.vocab_size:,} tokens cut unevenly, {cut} rows on the {tp} ranks"
     return [said + " (DTensor's uneven Shard: nothing padded)"]
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    """Whether `model` has the submodule `name` (a pipeline stage holds the embedding or the head, or neither)."""
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def loss_parallel():
