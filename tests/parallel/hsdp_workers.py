@@ -1,7 +1,9 @@
 """Worker functions for tests/parallel/test_hsdp.py, run in each rank by `launch(..., nodes=2)`."""
 
-from nccl_like import under
+import shutil
+from pathlib import Path
 
+from nccl_like import under
 
 from minidist.runtime.distributed import get_env
 
@@ -15,9 +17,9 @@ def one_step_bytes(model_dir, strategies, seq_len=32, micro_batches=1, **options
     from minidist.chess import jsonl
     from minidist.chess.games import bundled_games
     from minidist.hf import models
-    from minidist.step import train_step
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
+    from minidist.step import train_step
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
@@ -61,3 +63,28 @@ def run_finetunes_nccl_like(argvs, nccl_like=()):
             results.append(run_finetune(argv))
         results[-1]["collectives_deferred"] = harness.deferred if harness else 0
     return results
+
+
+def everything(model_dir, argvs, nccl_like, resumes):
+    """All of test_hsdp.py's runs, one after the other in the same ranks: one start-up for all of them.
+
+    - `run_finetunes_nccl_like(argvs, nccl_like)`, every run uninterrupted;
+    - then each run of `resumes`, (checkpoint, folder, argv), resumed in a fresh folder from a copy
+      of its checkpoint (rank 0 copies it between two barriers: after every rank wrote it, before
+      any rank reads the copy);
+    - then offload's placement (`offload_workers.where_things_live`, hsdp) and one step's bytes of
+      fsdp and hsdp (`one_step_bytes`).
+    """
+    import torch.distributed as dist
+    from offload_workers import where_things_live
+    from train_workers import run_finetunes
+
+    whole = run_finetunes_nccl_like(argvs, nccl_like)
+    dist.barrier()  # the runs leave the group up: every rank has written all it saves
+    if get_env().rank == 0:
+        for checkpoint, folder, _ in resumes:
+            shutil.copytree(checkpoint, Path(folder) / Path(checkpoint).name)
+    dist.barrier()
+    resumed = run_finetunes([argv for _, _, argv in resumes])
+    return {"whole": whole, "resumed": resumed, "offload": where_things_live(model_dir, ("hsdp",)),
+            "step_bytes": one_step_bytes(model_dir, ["fsdp", "hsdp"])}

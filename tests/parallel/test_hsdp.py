@@ -15,18 +15,17 @@ hand-written run with accumulation and offload is trained again under the NCCL-l
 """
 
 import json
-import shutil
 
 import pytest
 import torch
+from hsdp_workers import everything, one_step_bytes
+from interrupted import few_games
+from reference import train_reference
 
 from minidist import finetune
-from minidist.step import lr_schedule
-from minidist.runtime.launch import launch
 from minidist.memory import estimator, hybrid
-from reference import train_reference
-from hsdp_workers import one_step_bytes, run_finetunes_nccl_like
-from train_workers import run_finetunes
+from minidist.runtime.launch import launch
+from minidist.step import lr_schedule
 
 STEPS, SEQ, LR, SEED, GLOBAL_BATCH = 4, 48, 3e-3, 3, 8
 WORLD, NODES = 4, 2
@@ -39,41 +38,56 @@ RUNS = [("minidist", 2, 1, "sharded"), ("minidist", 1, 2, "full"), ("torch", 2, 
 NCCL_LIKE = [("minidist", 1, 2, "sharded+offload")]
 
 
-def argv_for(model, out, impl, batch, accum, form, *extra):
+def argv_for(model, games, out, impl, batch, accum, form, *extra):
     form, *offload = form.split("+")
     extra = (*extra, "--cpu_offload") if offload else extra
-    return ["--model", model, "--output_dir", str(out), "--impl", impl, "--strategy", "hsdp",
+    return ["--model", model, "--data", str(games), "--output_dir", str(out), "--impl", impl, "--strategy", "hsdp",
             "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR), "--warmup_steps", "2",
             "--seed", str(SEED), "--eval_prefixes", "0", "--batch_size_per_device", str(batch),
             "--gradient_accumulation_steps", str(accum), "--save_steps", "2", "--checkpoint_format", form, *extra]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
+def games(tmp_path_factory):
+    """64 of the bundled games, what every run and the reference read: every rank of every run
+    tokenizes its data again (about 0.2 s for all 3,000 here), and 4 steps of 8 use 32 games."""
+    return few_games(tmp_path_factory.mktemp("games"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, games):
     args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
     losses, parameters, _ = train_reference(tiny_model, steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=SEQ, lr=LR,
-                                            seed=SEED, lr_lambda=lambda s: lr_schedule(s, args))
+                                            seed=SEED, lr_lambda=lambda s: lr_schedule(s, args), data=games)
     return losses, parameters
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
-    """Every run uninterrupted (one launch), then each resumed from its checkpoint of step 2 in a
-    fresh folder (a second launch): {run: (uninterrupted, resumed, output folder)}."""
+def ranks(tiny_model, games, tmp_path_factory):
+    """Everything this module runs on the 2 x 2 ranks, in one launch (`hsdp_workers.everything`):
+    every run uninterrupted, then each resumed from its checkpoint of step 2 in a fresh folder,
+    then offload's placement and one step's bytes. Rank 0's results, and every rank's bytes."""
     root = tmp_path_factory.mktemp("hsdp")
-    argvs = [argv_for(tiny_model, root / f"{impl}-{b}x{a}-{form}", impl, b, a, form) for impl, b, a, form in RUNS]
-    twins = [argv_for(tiny_model, root / f"{impl}-{b}x{a}-{form}-nccl-like", impl, b, a, form)
+    argvs = [argv_for(tiny_model, games, root / f"{impl}-{b}x{a}-{form}", impl, b, a, form) for impl, b, a, form in RUNS]
+    twins = [argv_for(tiny_model, games, root / f"{impl}-{b}x{a}-{form}-nccl-like", impl, b, a, form)
              for impl, b, a, form in NCCL_LIKE]
-    whole = launch(run_finetunes_nccl_like, WORLD, argvs + twins, range(len(argvs), len(argvs) + len(twins)),
-                   nodes=NODES, timeout_s=900)[0]
-    whole, twins = whole[:len(argvs)], whole[len(argvs):]
-    resumed_argvs = []
-    for (impl, b, a, form), argv in zip(RUNS, argvs):
+    resumes = []
+    for impl, b, a, form in RUNS:
         out = root / f"{impl}-{b}x{a}-{form}-resumed"
-        shutil.copytree(root / f"{impl}-{b}x{a}-{form}" / "checkpoint-2", out / "checkpoint-2")
-        resumed_argvs.append(argv_for(tiny_model, out, impl, b, a, form, "--resume", str(out / "checkpoint-2")))
-    resumed = launch(run_finetunes, WORLD, resumed_argvs, nodes=NODES, timeout_s=900)[0]
-    out = {run: (w, r, root / "{}-{}x{}-{}".format(*run)) for run, w, r in zip(RUNS, whole, resumed)}
+        resumes.append((str(root / f"{impl}-{b}x{a}-{form}" / "checkpoint-2"), str(out),
+                        argv_for(tiny_model, games, out, impl, b, a, form, "--resume", str(out / "checkpoint-2"))))
+    by_rank = launch(everything, WORLD, tiny_model, argvs + twins, range(len(argvs), len(argvs) + len(twins)), resumes,
+                     nodes=NODES, timeout_s=900)
+    return {"root": root, **by_rank[0], "offload": [r["offload"] for r in by_rank],
+            "step_bytes": [r["step_bytes"] for r in by_rank]}
+
+
+@pytest.fixture(scope="module")
+def runs(ranks):
+    """{run: (uninterrupted, resumed, output folder)}, the NCCL-like twins keyed ("minidist/nccl-like", ...)."""
+    root, whole = ranks["root"], ranks["whole"]
+    whole, twins = whole[:len(RUNS)], whole[len(RUNS):]
+    out = {run: (w, r, root / "{}-{}x{}-{}".format(*run)) for run, w, r in zip(RUNS, whole, ranks["resumed"])}
     # The twins, keyed ("minidist/nccl-like", ...): trained, not resumed.
     out.update({(f"{impl}/nccl-like", *rest): (twin, None, root / "{}-{}x{}-{}-nccl-like".format(impl, *rest))
                 for (impl, *rest), twin in zip(NCCL_LIKE, twins)})
@@ -116,13 +130,11 @@ def test_hsdp_resumes_bitwise_from_its_checkpoint(runs, impl, batch, accum, form
     assert (saved["world_size"], saved["form"], saved["run"]["strategy"]) == (WORLD, form.split("+")[0], f"{impl}/hsdp")
 
 
-def test_offloaded_hsdp_keeps_its_masters_on_the_host(tiny_model):
+def test_offloaded_hsdp_keeps_its_masters_on_the_host(ranks):
     """The "+offload" run above would match with offload silently off: here, after one bf16 step on
     2 x 2 ranks, the fp32 masters and their gradient shards are on the host, each unit's bf16 copy
     of its shard on the device (test_offload.py checks the same for zero1, zero2 and fsdp)."""
-    from offload_workers import where_things_live
-
-    for rank in launch(where_things_live, WORLD, tiny_model, ("hsdp",), nodes=NODES, timeout_s=300):
+    for rank in ranks["offload"]:
         where = rank["hsdp"]
         assert where["masters_host"] and where["masters_fp32"] and where["grads_host"], where
         assert where["num_grads"] > 0 and not where["device_side_host"], where
@@ -145,8 +157,8 @@ def test_metrics_log_bytes_within_and_across_nodes(runs):
 
 
 @pytest.fixture(scope="module")
-def step_bytes(tiny_model):
-    return launch(one_step_bytes, WORLD, tiny_model, ["fsdp", "hsdp"], nodes=NODES, timeout_s=300)
+def step_bytes(ranks):
+    return ranks["step_bytes"]
 
 
 def test_simulated_nodes_give_each_rank_its_node(step_bytes):
@@ -187,7 +199,7 @@ def test_the_estimate_of_hsdp_is_fsdp_on_its_shard_group_plus_the_all_reduce():
     """CodeLlama-7b on 2 nodes x 4: hsdp's model states are fsdp's on 4 ranks (16P/4), not on 8;
     the peak (in backward at this batch) adds one fp32 shard of the largest unit (the root)."""
     shape = estimator.model_shape("codellama/CodeLlama-7b-hf")
-    sizes = dict(batch_size_per_device=2, max_seq_length=1024)
+    sizes = {"batch_size_per_device": 2, "max_seq_length": 1024}
     for impl in ("minidist", "torch"):
         hsdp = estimator.setup(strategy="hsdp", impl=impl, world_size=8, hsdp_shard_size=4, **sizes)
         h, f = (estimator.estimate(shape, st) for st in (hsdp, estimator.setup(strategy="fsdp", impl=impl,
