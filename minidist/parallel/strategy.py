@@ -352,6 +352,10 @@ class MinidistDDP(Strategy):
             return super().get_state_dict(model, optimizer, full)
         from minidist.parallel.tensor import checkpoint
 
+        if self.pipeline and full:  # the slices joined over tp, then the stages over pp (pipeline/checkpoint.py)
+            from minidist.parallel.pipeline.checkpoint import joined_state_dict
+
+            return joined_state_dict(self.unwrap(model), optimizer, self.mesh, cut=self._split)
         # The slices, as parts of whole tensors (sharded) or joined (full): tensor/checkpoint.py
         return checkpoint.replicated_state_dict(self.unwrap(model), optimizer, full, self._split, self.mesh)
 
@@ -360,6 +364,16 @@ class MinidistDDP(Strategy):
             return super().set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full)
         from minidist.parallel.tensor import checkpoint
 
+        if self.pipeline:  # full: each stage takes its keys' slices; sharded: its own param names (pipeline/checkpoint.py)
+            from minidist.parallel.pipeline import checkpoint as stages
+
+            if full:
+                return stages.load_stage(self.unwrap(model), optimizer, model_state_dict, optim_state_dict,
+                                         cut=self._split, tp_group=self.mesh.tp_group)
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            live = get_optimizer_state_dict(self.unwrap(model), optimizer)["param_groups"]
+            optim_state_dict["param_groups"] = stages.own_param_groups(optim_state_dict["param_groups"], live)
         # Each rank keeps its slices (a full checkpoint: of any tp size)
         checkpoint.load_replicated(self.unwrap(model), optimizer, model_state_dict, optim_state_dict, full,
                                    self._split, self.mesh)

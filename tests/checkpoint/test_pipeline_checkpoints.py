@@ -1,15 +1,19 @@
 """Checkpoints of a pipeline (issue 33, point 7; `minidist/parallel/pipeline/checkpoint.py`).
 
 Sharded: a pp 2 run saved at step 2 and resumed from there ends bitwise where an uninterrupted run
-ends (the losses of steps 3 and 4, every final weight), for the hand-written DDP and ZeRO-1. A DDP
+ends (the losses of steps 3 and 4, every final weight), for the hand-written DDP (also pp 2 x tp 2),
+ZeRO-1 and PyTorch's FSDP2 (pp 2 x 2 data-parallel ranks). A DDP
 stage's tensors are whole and keyed by the whole model's names, so DCP reshards its checkpoint by
 itself: resumed without a pipeline it ends within 1e-5 of the uninterrupted run. Full: the stages
 joined on rank 0, as a run without a pipeline writes them, so a pp 2 checkpoint resumes at pp 1 and
 a pp 1 checkpoint at pp 2, within 1e-5 (not bitwise: pp 1 accumulates the micro-batches' gradients
-in another order). ZeRO-1's flats are its stage's buckets: another layout is refused in one line.
+in another order). The same with --tp_size 2: a pp 2 x tp 2 checkpoint resumes at pp 1 x tp 2, and a
+pp 2 one at pp 2 x tp 2; and PyTorch's FSDP2: a pp 2 checkpoint, the stages joined, resumes at pp 1.
+ZeRO-1's flats are its stage's buckets: another layout is refused in one line.
 
-All runs in one launch of 2 ranks, one after the other (the tiny 2-layer model: pp 2 is one layer
-per stage); pp 1 runs are 2 data-parallel ranks of 1 sequence, pp 2 runs 2 micro-batches of 1.
+One launch per world size, the runs one after the other (the tiny 2-layer model: pp 2 is one layer
+per stage): 2 ranks, where pp 1 runs are 2 data-parallel ranks of 1 sequence and pp 2 runs 2
+micro-batches of 1; then 4 ranks (`runs4`), for pp 2 x tp 2 and FSDP2 over 2 data-parallel ranks.
 """
 
 import shutil
@@ -19,19 +23,20 @@ import pytest
 import torch
 from interrupted import few_games
 from test_tensor_parallel_checkpoints import assert_same  # losses and weights: bitwise, or within 1e-5
-from train_workers import run_finetunes_then_refusal
+from train_workers import run_finetunes, run_finetunes_then_refusal
 
 from minidist.parallel.pipeline.checkpoint import check_layout
 from minidist.runtime.errors import UsageError
 from minidist.runtime.launch import launch
 
 
-def args(model, games, out, strategy, pp, *extra):
-    """4 steps of the minidist strategy at pp size `pp` on 2 ranks, global batch 2."""
-    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", "minidist", "--strategy", strategy,
+def args(model, games, out, strategy, pp, *extra, impl="minidist", tp=1):
+    """4 steps of the strategy at pp size `pp` (and tp size `tp`), micro-batches of 1 sequence, `pp`
+    of them: global batch 2 on 2 ranks (and on 4 with --tp_size 2), 4 on 4 ranks without it."""
+    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", impl, "--strategy", strategy,
             "--max_steps", "4", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "1",
             "--gradient_accumulation_steps", str(pp), "--learning_rate", "3e-3", "--warmup_steps", "2", "--seed", "3",
-            *(["--pp_size", str(pp)] if pp > 1 else []), *extra]
+            *(["--pp_size", str(pp)] if pp > 1 else []), *(["--tp_size", str(tp)] if tp > 1 else []), *extra]
 
 
 SAVE = ("--save_steps", "2")
@@ -39,34 +44,68 @@ FULL = ("--save_steps", "2", "--checkpoint_format", "full")
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model, tmp_path_factory):
-    """Every run, by name, and the line the last one (refused) says on each rank."""
+def root(tmp_path_factory):
+    """The runs' folders, shared by the two launches: the 4-rank one resumes a 2-rank checkpoint."""
     root = tmp_path_factory.mktemp("pp-checkpoints")
-    games = str(few_games(root))  # 64 games: 4 steps of 2 draw 8
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def resume(root, name):
+    """--resume from step 2 of run `name`."""
+    return ("--resume", str(root / name / "checkpoint-2"))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, root):
+    """Every 2-rank run, by name, and the line the last one (refused) says on each rank."""
+    games = str(few_games(root))  # 64 games: 4 steps of 2 (runs4: 4) draw 8 (16)
 
     def run(name, strategy, pp, *extra):
         return args(tiny_model, games, root / name, strategy, pp, *extra)
-
-    def resume(name):  # --resume from step 2 of run `name`
-        return ("--resume", str(root / name / "checkpoint-2"))
 
     batch = {
         "ddp pp 2 full": run("ddp-pp2-full", "ddp", 2, *FULL),  # uninterrupted: the reference
         "ddp pp 1 full": run("ddp-pp1-full", "ddp", 1, *FULL),
         "ddp pp 2 sharded": run("ddp-pp2-sharded", "ddp", 2, *SAVE),
-        "ddp pp 2 sharded resumed": run("ddp-pp2-sharded", "ddp", 2, *SAVE, *resume("ddp-pp2-sharded")),
-        "ddp sharded pp 2 at pp 1": run("ddp-sharded-at-pp1", "ddp", 1, *resume("ddp-pp2-sharded")),
-        "ddp full pp 2 at pp 1": run("ddp-full-at-pp1", "ddp", 1, *resume("ddp-pp2-full")),
-        "ddp full pp 1 at pp 2": run("ddp-full-at-pp2", "ddp", 2, *resume("ddp-pp1-full")),
+        "ddp pp 2 sharded resumed": run("ddp-pp2-sharded", "ddp", 2, *SAVE, *resume(root, "ddp-pp2-sharded")),
+        "ddp sharded pp 2 at pp 1": run("ddp-sharded-at-pp1", "ddp", 1, *resume(root, "ddp-pp2-sharded")),
+        "ddp full pp 2 at pp 1": run("ddp-full-at-pp1", "ddp", 1, *resume(root, "ddp-pp2-full")),
+        "ddp full pp 1 at pp 2": run("ddp-full-at-pp2", "ddp", 2, *resume(root, "ddp-pp1-full")),
         "zero1 pp 2 sharded": run("zero1-pp2-sharded", "zero1", 2, *SAVE),
-        "zero1 pp 2 sharded resumed": run("zero1-pp2-sharded", "zero1", 2, *SAVE, *resume("zero1-pp2-sharded")),
+        "zero1 pp 2 sharded resumed": run("zero1-pp2-sharded", "zero1", 2, *SAVE, *resume(root, "zero1-pp2-sharded")),
     }
-    refused = run("zero1-at-pp1", "zero1", 1, *resume("zero1-pp2-sharded"))  # last, on the same ranks
+    refused = run("zero1-at-pp1", "zero1", 1, *resume(root, "zero1-pp2-sharded"))  # last, on the same ranks
     by_rank = launch(run_finetunes_then_refusal, 2, list(batch.values()), refused, timeout_s=600)
     results = dict(zip(batch, by_rank[0][0]))
     results["zero1 sharded pp 2 at pp 1"] = [line for _, line in by_rank]
-    yield results
-    shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs4(tiny_model, root, runs):
+    """Every 4-rank run, by name: pp 2 x tp 2 with the hand-written DDP (global batch 2, as the 2-rank
+    runs, whose pp 2 full checkpoint it resumes at tp 2), and pp 2 x PyTorch's FSDP2 over 2 ranks
+    (global batch 4)."""
+    games = str(root / "games.jsonl")
+
+    def run(name, strategy, pp, *extra, impl="minidist", tp=1):
+        return args(tiny_model, games, root / name, strategy, pp, *extra, impl=impl, tp=tp)
+
+    batch = {
+        "ddp pp 2 x tp 2 full": run("ddp-pp2-tp2-full", "ddp", 2, *FULL, tp=2),  # uninterrupted: the reference
+        "ddp pp 2 x tp 2 sharded": run("ddp-pp2-tp2-sharded", "ddp", 2, *SAVE, tp=2),
+        "ddp pp 2 x tp 2 sharded resumed": run("ddp-pp2-tp2-sharded", "ddp", 2, *SAVE, *resume(root, "ddp-pp2-tp2-sharded"),
+                                               tp=2),
+        "ddp full pp 2 x tp 2 at pp 1 x tp 2": run("ddp-full-at-tp2", "ddp", 1, *resume(root, "ddp-pp2-tp2-full"), tp=2),
+        "ddp full pp 2 at pp 2 x tp 2": run("ddp-full-at-pp2-tp2", "ddp", 2, *resume(root, "ddp-pp2-full"), tp=2),
+        "fsdp pp 2 full": run("fsdp-pp2-full", "fsdp", 2, *FULL, impl="torch"),  # uninterrupted: the reference
+        "fsdp pp 2 sharded": run("fsdp-pp2-sharded", "fsdp", 2, *SAVE, impl="torch"),
+        "fsdp pp 2 sharded resumed": run("fsdp-pp2-sharded", "fsdp", 2, *SAVE, *resume(root, "fsdp-pp2-sharded"),
+                                         impl="torch"),
+        "fsdp full pp 2 at pp 1": run("fsdp-full-at-pp1", "fsdp", 1, *resume(root, "fsdp-pp2-full"), impl="torch"),
+    }
+    return dict(zip(batch, launch(run_finetunes, 4, list(batch.values()), timeout_s=600)[0]))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
@@ -88,6 +127,25 @@ def test_a_full_checkpoint_resumes_at_another_pp_size(runs, saved, resumed):
     assert_same(run, runs["ddp pp 2 full"], exact=False)
 
 
+@pytest.mark.parametrize("layout", ["ddp pp 2 x tp 2", "fsdp pp 2"])
+def test_a_sharded_checkpoint_of_pp_x_tp_or_fsdp2_resumes_bitwise(runs4, layout):
+    reference = runs4[f"{layout} full"]  # uninterrupted
+    assert runs4[f"{layout} sharded resumed"]["losses"][:2] == reference["losses"][:2]  # the checkpoint's records
+    assert_same(runs4[f"{layout} sharded"], reference)
+    assert_same(runs4[f"{layout} sharded resumed"], reference)
+
+
+@pytest.mark.parametrize("resumed, written, reference", [
+    ("ddp full pp 2 x tp 2 at pp 1 x tp 2", "ddp pp 2 x tp 2 full", "ddp pp 2 x tp 2 full"),  # another pp size
+    ("ddp full pp 2 at pp 2 x tp 2", "ddp pp 2 full", "ddp pp 2 full"),  # another tp size (a 2-rank checkpoint)
+    ("fsdp full pp 2 at pp 1", "fsdp pp 2 full", "fsdp pp 2 full"),  # FSDP2: the stages joined, loaded without them
+])
+def test_a_full_checkpoint_of_pp_x_tp_or_fsdp2_resumes_at_another_layout(runs, runs4, resumed, written, reference):
+    every = {**runs, **runs4}
+    assert every[resumed]["losses"][:2] == every[written]["losses"][:2]  # the checkpoint's own records
+    assert_same(every[resumed], every[reference], exact=False)
+
+
 def test_a_sharded_zero1_checkpoint_of_another_layout_is_refused_in_one_line():
     check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=2, size=1))
     with pytest.raises(UsageError, match=r"written at --pp_size 2 on 1 data-parallel ranks, and this run has 4 on 1"):
@@ -104,12 +162,22 @@ def test_a_sharded_zero1_checkpoint_resumed_without_a_pipeline_is_refused_in_one
     assert "\n" not in lines[0]
 
 
-@pytest.mark.parametrize("impl, strategy, form", [("torch", "fsdp", "sharded"), ("minidist", "zero1", "full")])
-def test_the_checkpoints_not_built_are_refused_in_one_line(impl, strategy, form):
+BUILT = [("minidist", "ddp", "sharded", 2), ("minidist", "ddp", "full", 2), ("minidist", "zero1", "sharded", 1),
+         ("torch", "fsdp", "sharded", 1), ("torch", "fsdp", "full", 1)]
+
+
+@pytest.mark.parametrize("impl, strategy, form, tp", [
+    ("minidist", "zero1", "full", 1), ("minidist", "zero1", "sharded", 2),
+    ("minidist", "fsdp", "sharded", 1),  # the hand-written FSDP's flats under a pipeline
+    ("torch", "fsdp", "sharded", 2),  # PyTorch's pp x tp
+])
+def test_the_checkpoints_not_built_are_refused_in_one_line(impl, strategy, form, tp):
     from minidist.finetune import _check_pipeline
     from minidist.hf.lora import LoraOptions
 
-    built = SimpleNamespace(impl="minidist", strategy="ddp", tp_size=1, save_steps=2, resume=None, checkpoint_format=form)
-    _check_pipeline(built, LoraOptions())
+    for built in BUILT:
+        _check_pipeline(SimpleNamespace(**dict(zip(["impl", "strategy", "checkpoint_format", "tp_size"], built)),
+                                        save_steps=2, resume=None), LoraOptions())
+    refused = SimpleNamespace(impl=impl, strategy=strategy, checkpoint_format=form, tp_size=tp, save_steps=2, resume=None)
     with pytest.raises(ValueError, match=r"^checkpoints of a pipeline \(--pp_size\) are built for --impl minidist"):
-        _check_pipeline(SimpleNamespace(**{**vars(built), "impl": impl, "strategy": strategy}), LoraOptions())
+        _check_pipeline(refused, LoraOptions())

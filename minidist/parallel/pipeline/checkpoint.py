@@ -8,25 +8,31 @@ forms, and this module makes both out of the stages' pieces:
 - **sharded** (DCP): each rank hands DCP its own stage's tensors, and DCP writes each key from the
   rank that holds it (once, from one data-parallel copy) and reads it back into whichever rank asks
   for it. Under DDP a stage's tensors are whole, so another pp size simply asks for other keys: DCP
-  reshards a DDP checkpoint by itself. One thing does overlap: the optimizer's `param_groups` (lr,
+  reshards a DDP checkpoint by itself. With --tp_size they are slices, DTensors on the stage's own
+  (dp_shard, tp) grid (`tensor/checkpoint.stage_grid`), and PyTorch's FSDP2 hands out DTensors on
+  the stage's data-parallel ranks: DCP writes each piece under the whole model's name, one folder for
+  all stages, as torchtitan does. One thing does overlap: the optimizer's `param_groups` (lr,
   betas, ...), which DCP writes once under one key, with one stage's list of parameter names. On
   load each stage keeps the saved hyperparameters and puts its own names back (`own_param_groups`).
   ZeRO's flats are a stage's buckets, laid out for that stage's parameters: a checkpoint of them
   resumes at its own layout only, which it records (`LAYOUT`) and checks (`check_layout`).
 
 - **full**: exactly what a run without a pipeline writes: the whole model's weights by name (a
-  `from_pretrained` folder) and its optimizer state by parameter name, on rank 0. The stages' pieces
-  are joined on rank 0 (`loop.join_stages`, one tensor at a time), the moments keyed (name, moment)
-  and the param_groups' names concatenated in stage order. Loading sends every tensor from rank 0
-  to all ranks, one at a time, and each keeps the keys of its own stage (`stage_part_from_rank0`):
-  so it loads at any pp size, 1 included (the code a run without --pp_size always had).
+  `from_pretrained` folder) and its optimizer state by parameter name, on rank 0. Each stage's
+  tensors are made whole on its first rank (slices joined over tp, FSDP2's shards gathered), then
+  the stages are joined on rank 0 (`loop.join_stages`), one tensor at a time: the moments keyed
+  (name, moment), the param_groups' names concatenated in stage order. Loading sends every tensor
+  from rank 0 to all ranks, one at a time, and each keeps the keys of its own stage (its slice of
+  each, with --tp_size: `tensor/checkpoint.slices_from_rank0`): so it loads at any pp size, 1
+  included (the code a run without --pp_size always had), and with DDP at any tp size too.
 """
 
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.flat import collective_device
+from minidist.parallel.flat_state import MOMENTS
 from minidist.parallel.pipeline.loop import join_stages
+from minidist.parallel.tensor.checkpoint import joined_over_tp, slices_from_rank0
 from minidist.runtime.errors import UsageError
 
 LAYOUT = "pipeline_layout"  # a sharded ZeRO checkpoint's (pp size, data-parallel ranks)
@@ -67,21 +73,23 @@ def check_sharded(optim_sd: dict, full: bool, mesh) -> None:
 
 
 # ---------------------------------------------------------------- full: the stages joined on rank 0
-def joined_state_dict(module, optimizer, mesh) -> tuple[dict, dict]:
+def joined_state_dict(module, optimizer, mesh, cut: dict | None = None) -> tuple[dict, dict]:
     """The whole model's weights and optimizer state (by parameter name, as a run without a pipeline
     writes them) on rank 0's CPU, from the stages of `module` (this rank's, unwrapped); {} elsewhere.
-    Every rank calls it; the stages' data-parallel rank 0 hold what is joined."""
+    Every rank calls it; each stage's first rank (data-parallel and tensor-parallel rank 0) holds
+    what is joined. A stage's tensors are made whole first, one at a time: with --tp_size (`cut`, the
+    sliced parameters) the slices are joined over the tp ranks (`tensor/checkpoint.py`); PyTorch's
+    FSDP2 gathers each DTensor over the stage's data-parallel ranks."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    holder = mesh.rank == 0
+    holder = mesh.rank == 0 and (mesh.tp_group is None or dist.get_rank(mesh.tp_group) == 0)
     model_sd, optim_sd = get_state_dict(module, optimizer)  # this stage's own tensors, by the whole model's names
-    weights = {name: t.detach().to("cpu", copy=True) for name, t in model_sd.items()} if holder else None
-    weights = join_stages(weights, mesh)
-    moments = None
-    if holder:  # one flat dict for join_stages: (name, "step" | "exp_avg" | "exp_avg_sq") -> tensor
-        moments = {(name, key): t.detach().to("cpu", copy=True)
-                   for name, state in optim_sd["state"].items() for key, t in state.items()}
-    moments = join_stages(moments, mesh)
+    if cut is not None:  # the holder gets the joined slices, on its CPU; the others {}
+        model_sd, optim_sd = joined_over_tp(model_sd, optim_sd, cut, mesh)
+    weights = join_stages(_whole_on(model_sd, holder), mesh)
+    # one flat dict for join_stages: (name, "step" | "exp_avg" | "exp_avg_sq") -> tensor
+    moments = {(name, key): t for name, state in optim_sd.get("state", {}).items() for key, t in state.items()}
+    moments = join_stages(_whole_on(moments, holder), mesh)
     groups = _joined_param_groups(optim_sd["param_groups"] if holder else None, mesh)
     if dist.get_rank() != 0:
         return {}, {}
@@ -89,6 +97,22 @@ def joined_state_dict(module, optimizer, mesh) -> tuple[dict, dict]:
     for (name, key), t in moments.items():
         state.setdefault(name, {})[key] = t
     return weights, {"state": state, "param_groups": groups}
+
+
+def _whole_on(tensors: dict, holder: bool) -> dict | None:
+    """Each tensor of `tensors`, whole, copied to the holder's CPU (None on the other ranks), one at a
+    time. A DTensor (FSDP2's shard) is gathered first, by every rank of the stage, in the same order;
+    a plain tensor (DDP's, or slices already joined) is whole already."""
+    from torch.distributed.tensor import DTensor
+
+    kept = {} if holder else None
+    for key, t in tensors.items():
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        if holder:
+            kept[key] = t.detach().to("cpu", copy=True)
+        del t
+    return kept
 
 
 def _joined_param_groups(groups: list[dict] | None, mesh) -> list[dict] | None:
@@ -105,38 +129,26 @@ def _joined_param_groups(groups: list[dict] | None, mesh) -> list[dict] | None:
             for i, group in enumerate(every[0])]
 
 
-@torch.no_grad()
-def stage_part_from_rank0(whole: dict | None, wanted) -> dict:
-    """Rank 0's whole tensors (`whole`, by key; None elsewhere) sent to every rank, one at a time;
-    each rank keeps, on the CPU, those whose key `wanted(key)` says its stage holds. Once, outside any
-    step: `dist`, not the counted `comm`."""
-    names = [{key: (t.shape, t.dtype) for key, t in whole.items()} if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    kept = {}
-    for key, (shape, dtype) in names[0].items():
-        tensor = whole[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype)
-        sent = tensor.to(collective_device(tensor, None)).contiguous()
-        dist.broadcast(sent, src=0)
-        if wanted(key):
-            kept[key] = sent.cpu()
-        del sent
-    return kept
-
-
-def load_stage(module, optimizer, model_sd: dict, optim_sd: dict) -> None:
+def load_stage(module, optimizer, model_sd: dict, optim_sd: dict, cut: dict | None = None, tp_group=None) -> None:
     """Load a full checkpoint of any pp size (rank 0 holds it; the others pass {}) into this rank's
-    stage (`module`, unwrapped) and its optimizer: each stage takes its own keys."""
+    stage (`module`, unwrapped) and its optimizer: rank 0 sends every tensor to all ranks, one at a
+    time, and each keeps those of its own stage (with --tp_size, `cut`: its slice of each,
+    `tensor/checkpoint.slices_from_rank0`). PyTorch's helpers then load the stage's whole tensors as
+    a run without a pipeline loads its own (FSDP2: each rank keeps its shard of them)."""
     from torch.distributed.checkpoint import state_dict as dsd
 
+    cut = cut or {}
     mine, live = dsd.get_state_dict(module, optimizer)  # this stage's names, and its optimizer's groups
     rank0 = dist.get_rank() == 0
-    model_sd = stage_part_from_rank0(model_sd if rank0 else None, lambda name: name in mine)
+    model_sd = slices_from_rank0(model_sd if rank0 else None, cut.get, None, tp_group, wanted=lambda name: name in mine)
     moments = {(name, key): t for name, s in optim_sd["state"].items() for key, t in s.items()} if rank0 else None
     state = {}
-    for (name, key), t in stage_part_from_rank0(moments, lambda k: k[0] in mine).items():
+    for (name, key), t in slices_from_rank0(moments, lambda k: cut.get(k[0]) if k[1] in MOMENTS else None, None,
+                                             tp_group, wanted=lambda k: k[0] in mine).items():
         state.setdefault(name, {})[key] = t
     groups = [optim_sd["param_groups"] if rank0 else None]
     dist.broadcast_object_list(groups, src=0)
     optim_sd = {"state": state, "param_groups": own_param_groups(groups[0], live["param_groups"])}
-    dsd.set_optimizer_state_dict(module, optimizer, optim_sd)
-    dsd.set_model_state_dict(module, model_sd)
+    options = dsd.StateDictOptions(full_state_dict=True)  # every rank holds its stage's tensors whole
+    dsd.set_optimizer_state_dict(module, optimizer, optim_sd, options=options)
+    dsd.set_model_state_dict(module, model_sd, options=options)

@@ -60,8 +60,16 @@ def sliced(local: torch.Tensor, dim: int, mesh):
 
     shape = list(local.shape)
     shape[dim] *= mesh.tp_size
-    grid = device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
-    return as_dtensor(local.detach(), grid, (Replicate(), Shard(dim)), shape)
+    return as_dtensor(local.detach(), stage_grid(mesh), (Replicate(), Shard(dim)), shape)
+
+
+def stage_grid(mesh):
+    """The `(dp_shard, tp)` grid of the ranks that hold this rank's keys: the run's, or under a
+    pipeline (`--pp_size`) its stage's, a sub-mesh of the `(pp, dp_shard, tp)` grid: another stage's
+    ranks hold other keys, and DCP writes each key from the grid of the ranks that hold it."""
+    if mesh.pp_size > 1:
+        return mesh.grid()["dp_shard", "tp"]
+    return device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
 
 
 def slice_of(whole: torch.Tensor, cut: tuple[int, int | None] | None, tp_group) -> torch.Tensor:
@@ -78,9 +86,10 @@ def slice_of(whole: torch.Tensor, cut: tuple[int, int | None] | None, tp_group) 
 
 
 @torch.no_grad()
-def slices_from_rank0(whole: dict | None, cut_of, group, tp_group) -> dict:
+def slices_from_rank0(whole: dict | None, cut_of, group, tp_group, wanted=None) -> dict:
     """Rank 0's whole tensors (`whole`, by key; None elsewhere) sent over `group`, one at a time, and
-    this rank's slice of each kept (`cut_of(key)`: how it is cut, or None), on the CPU. Outside any
+    this rank's slice of each kept (`cut_of(key)`: how it is cut, or None), on the CPU; with `wanted`,
+    only the keys `wanted(key)` says this rank holds (under a pipeline: its stage's). Outside any
     step: `dist`, not the counted `comm`."""
     names = [{key: (tensor.shape, tensor.dtype) for key, tensor in whole.items()} if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(names, src=0, group=group)
@@ -89,18 +98,20 @@ def slices_from_rank0(whole: dict | None, cut_of, group, tp_group) -> dict:
         tensor = whole[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype)
         sent = tensor.to(collective_device(tensor, group)).contiguous()
         dist.broadcast(sent, src=0, group=group)
-        kept[key] = slice_of(sent, cut_of(key), tp_group).cpu()
+        if wanted is None or wanted(key):
+            kept[key] = slice_of(sent, cut_of(key), tp_group).cpu()
         del sent
     return kept
 
 
 def joined_on_rank0(tensors: dict, cut: dict, group) -> dict:
-    """`whole.whole_weights` one tensor at a time, each kept by rank 0 alone: the other ranks of
-    `group` hold one whole tensor at a time, not the whole state (81 GB for CodeLlama-7b with AdamW)."""
+    """`whole.whole_weights` one tensor at a time, each kept by the first rank of `group` alone (rank
+    0, or under a pipeline its stage's first): the other ranks of `group` hold one whole tensor at a
+    time, not the whole state (81 GB for CodeLlama-7b with AdamW)."""
     kept = {}
     for name, tensor in tensors.items():
         whole = whole_weights({name: tensor}, cut, group)[name]
-        if dist.get_rank() == 0:
+        if dist.get_rank(group) == 0:
             kept[name] = whole
         del whole
     return kept
@@ -130,7 +141,8 @@ def replicated_state_dict(module, optimizer, full: bool, cut: dict, mesh) -> tup
 
     model_sd, optim_sd = get_state_dict(module, optimizer)  # this rank's own tensors, by name
     if full:
-        return _joined(model_sd, optim_sd, cut, mesh)
+        weights, optim_sd = joined_over_tp(model_sd, optim_sd, cut, mesh)
+        return (weights, optim_sd) if dist.get_rank() == 0 else ({}, {})
     model_sd = {name: sliced(t, cut[name][0], mesh) if name in cut else t for name, t in model_sd.items()}
     # New dicts: the optimizer's own per-parameter dicts are the ones `state` holds, and must keep plain tensors.
     optim_sd["state"] = {name: {**state, **{m: sliced(state[m], cut[name][0], mesh) for m in MOMENTS}}
@@ -138,9 +150,10 @@ def replicated_state_dict(module, optimizer, full: bool, cut: dict, mesh) -> tup
     return model_sd, {**optim_sd, LAYOUT: layout(mesh)}
 
 
-def _joined(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dict, dict]:
-    """The whole weights and moments on rank 0's CPU, from the slices of the tp ranks of data-parallel
-    rank 0 (the others hold the same); {} elsewhere."""
+def joined_over_tp(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dict, dict]:
+    """The whole weights and moments on the CPU of tp rank 0 of data-parallel rank 0 (rank 0, or under
+    a pipeline each stage's first rank, which `pipeline/checkpoint.py` then joins), from the slices of
+    the tp ranks of data-parallel rank 0 (the others hold the same); {} elsewhere."""
     if mesh.rank != 0:
         return {}, {}
     cpu = {name: t.detach().to("cpu", copy=True) for name, t in model_sd.items()}
@@ -150,7 +163,7 @@ def _joined(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dict, dict
         moments = {name: s[m].detach().to("cpu", copy=True) for name, s in optim_sd["state"].items()}
         for name, whole in joined_on_rank0(moments, cut, mesh.tp_group).items():
             state[name][m] = whole
-    if dist.get_rank() != 0:
+    if dist.get_rank(mesh.tp_group) != 0:
         return {}, {}
     return weights, {"state": state, "param_groups": optim_sd["param_groups"]}
 
