@@ -23,18 +23,48 @@ would find another micro-batch at the head of its queue is refused too: point-to
 between two ranks arrive in the order they were sent (NCCL matches them so; gloo without tags
 too), so it would compute on the wrong micro-batch's activations without a word.
 
-**Checked on CPU ranks (gloo) only.** On GPUs, NCCL runs the sends and receives between two ranks
-in one stream, in order, and a send may not finish until its receive is posted: in 1F1B's steady
-state a stage sends its output and then receives a gradient from the same neighbour, which sends
-a gradient and then receives that output. Megatron-LM posts such a pair together
-(`batch_isend_irecv`); this executor does not yet, and has not run on NCCL.
+**NCCL's rule: a send posted with the next receive.** `check` plays gloo's rule, under which a
+send never waits. NCCL's is stricter. It runs a rank's sends and receives on one communicator in
+one stream, in the order they were posted, and a send does not finish until the peer reaches the
+receive for it (NCCL's docs: `ncclSend` "is blocking for the GPU"; sends and receives that must
+progress at once go in one group, `ncclGroupStart` / `ncclGroupEnd`). In 1F1B's steady state a
+stage sends its output to the next stage and then receives a gradient from it, while that stage
+sends the gradient and then receives the output: each send waits for a receive queued behind the
+other's send, for ever. So the executor posts a send together with the next action's receive when
+both are with the same neighbour (`p2p.plan`, by `batch_isend_irecv`, PyTorch's group call), as
+Megatron-LM does (`megatron/core/pipeline_parallel/p2p_communication.py`: `_batched_p2p_ops`,
+`send_forward_recv_backward`, `send_backward_recv_forward`).
+
+`play_nccl` plays every rank's plan under that rule, before the first message, and refuses in one
+line a plan that would hang. Each rank's posts wait in a queue, in order: one queue per rank
+(`batch_isend_irecv` puts all of them on the group's communicator; plain `isend` / `irecv` would
+give each pair of ranks its own). Only the posts at the heads of two queues meet: a send completes
+when the receive for it is in the peer's head post, and a post is done, and leaves its queue, when
+all its operations are. A host posts in its plan's order and waits for each post that has a
+receive (the next computation needs the data). A real host may post further ahead (NCCL's wait
+blocks the device, not the host); that can only bring a post to its queue's head sooner, so a
+plan that finishes here finishes there too. The former order, every send and receive alone,
+deadlocks under this rule in 1F1B for m >= 2; the paired order finishes for GPipe and 1F1B
+(`tests/parallel/test_pipeline_nccl_order.py`, which also records that the executor posts exactly
+the plan played). Pairing is not enough for every table gloo runs: if stage 0 runs forwards ahead
+while stage 1 already alternates, stage 1's paired post waits for stage 0's receive of a gradient,
+queued behind a send that waits for stage 1's next post. `Executor.step` plays its plans first, and
+refuses such a table in one line; with `paired = False` it posts each operation alone again, and
+refuses 1F1B.
+**Still checked on CPU ranks (gloo) only**: nothing here has run on NCCL or a GPU. On gloo,
+`batch_isend_irecv` posts each operation in turn, and the pairing changes no result. On NCCL,
+PyTorch's note on `batch_isend_irecv` asks that a group's first batched call involve all its
+ranks: every stage's first post is batched, so each takes part (not yet seen on NCCL).
 
 **The timeline: when each action computed.** After a step, `timeline` lists this rank's actions
 as `(kind, i, start, end)`, in seconds from the step's start, and `step_time` is when the step
-ended (its last send done). The interval is the computation only: it starts after the receive
-returns (waiting for a neighbour is the bubble, the idle time being measured, not work) and ends
-before the send is posted. `bubble.py` turns it into each stage's idle fraction. Two clock reads
-per action: nothing else changes, so the parity is the same with or without anyone reading it.
+ended (its last send done). The interval is the computation only: it starts after the post with
+its receive is done (waiting for a neighbour is the bubble, the idle time being measured, not work)
+and ends before the send is posted. A paired post is waited for as one (on NCCL it is one work), so
+the wait before a 1F1B steady-state action also covers the previous action's send, to a neighbour
+that posts the receive for it at the same time: idle time, as the receive's wait is. `bubble.py`
+turns it into each stage's idle fraction. Two clock reads per action: nothing else changes, so
+the parity is the same with or without anyone reading it.
 The clock is the host's (`time.perf_counter`). On CPU that is when the work ran; on CUDA the host
 only queues kernels and runs ahead, so on a CUDA device every reading first waits for the device
 (`torch.cuda.synchronize`), which costs the overlap of a send with the next computation. So the
@@ -50,7 +80,7 @@ micro-batches; after that backward the reduced gradients are the step's.
 """
 
 import time
-from collections import deque
+from collections import defaultdict, deque
 from contextlib import nullcontext
 
 import torch
@@ -103,11 +133,65 @@ def _play(actions_by_rank: list[list[tuple[str, int]]]) -> None:
             raise ValueError("this schedule would deadlock: " + ", ".join(waiting))
 
 
+def play_nccl(plans: list[list], batched: bool = True) -> None:
+    """Post every rank's plan (`p2p.plan`) as NCCL runs it, without computing; refuse in one line if
+    it cannot finish (module doc). `batched`: the posts go through `batch_isend_irecv`, so all of a
+    rank's share one queue (its group's communicator); else one queue per peer (a pair's own)."""
+    queues = defaultdict(deque)  # a communicator's queue on one rank: its posts not done, oldest first
+
+    def queue(rank: int, peer: int) -> deque:
+        return queues[(rank,) if batched else (rank, peer)]
+
+    cursor, waits = [0] * len(plans), [None] * len(plans)  # waits[r]: the post whose receive r's host needs
+    moved = True
+    while moved:
+        moved = False
+        for rank, plan in enumerate(plans):  # each host posts, in order, until it needs a receive's data
+            while waits[rank] is None and cursor[rank] < len(plan):
+                step, cursor[rank], moved = plan[cursor[rank]], cursor[rank] + 1, True
+                if isinstance(step, list):  # a post (a computation only takes time here)
+                    post = dict.fromkeys(step, False)  # each operation -> done
+                    queue(rank, step[0][3]).append(post)
+                    waits[rank] = post if any(op[0] == "recv" for op in step) else None
+        for (rank, *_), posts in list(queues.items()):  # a send meets its receive, each in its queue's head
+            for send in [op for op, done in (posts[0].items() if posts else ()) if op[0] == "send" and not done]:
+                moved |= _meet(send, rank, posts[0], queue(send[3], rank))
+        for posts in queues.values():  # a post leaves its queue when all its operations are done
+            while posts and all(posts[0].values()):
+                posts.popleft()
+        for rank, post in enumerate(waits):
+            if post is not None and all(post.values()):
+                waits[rank], moved = None, True
+    stuck = [f"rank {rank} at {p2p.show([[op for op, done in posts[0].items() if not done]])}"
+             for (rank, *_), posts in sorted(queues.items()) if posts]
+    if stuck:
+        raise ValueError("on NCCL this schedule would deadlock: " + ", ".join(stuck))
+
+
+def _meet(send: tuple, rank: int, post: dict, peer_posts: deque) -> bool:
+    """Complete `send` (rank's, in its head post `post`) if the peer's head post holds a receive from
+    `rank` not done yet; the first such receive must be for the same micro-batch (module doc)."""
+    _, kind, i, peer = send
+    head = peer_posts[0] if peer_posts else {}
+    receives = [op for op, done in head.items() if op[0] == "recv" and op[3] == rank and not done]
+    if not receives:
+        return False
+    if receives[0][1:3] != (kind, i):
+        raise ValueError(f"schedule out of order: rank {peer}'s recv {receives[0][1]}{receives[0][2]} "
+                         f"would receive rank {rank}'s {kind}{i}")
+    post[send] = head[receives[0]] = True
+    return True
+
+
 class Executor:
     """Runs tables of actions on `stage` (a `stages.Stage`), whose rank in `group` is its place in
     the pipeline. `dp_size`: the data-parallel world the loss is scaled by, as in `step.train_step`.
     `no_sync`: None, or a zero-argument callable returning a context manager, entered around every
     backward of this rank's list but the last (module doc).
+
+    It runs `p2p.plan(actions, rank, pp, paired)`: the actions, and between them the posts of their
+    sends and receives. `paired` (True) posts a send and the next action's receive from the same
+    neighbour together, as NCCL needs in 1F1B; False posts each alone, as gloo allows (module doc).
 
     After a step: `peak_held`, the most micro-batches whose activations this stage held at once
     (GPipe: m; 1F1B: at most p - rank); `timeline`, this rank's actions as (kind, i, start, end),
@@ -122,6 +206,7 @@ class Executor:
         self.peak_held = 0
         self.timeline, self.step_time, self.start = [], 0.0, 0.0
         self.synchronize = True  # on CUDA, wait for the device at each clock reading (module doc)
+        self.paired = True  # a send posted with the next receive from the same neighbour (module doc)
 
     def step(self, actions_by_rank: list, micro_batches: list[dict], num_targets: int):
         """Forward and backward of one step's micro-batches in this rank's order; return the step's
@@ -129,23 +214,29 @@ class Executor:
         if len(actions_by_rank) != self.stage.pp:
             raise ValueError(f"the schedule has {len(actions_by_rank)} ranks, the pipeline {self.stage.pp} stages")
         check(actions_by_rank, len(micro_batches))
+        plans = [p2p.plan(actions, rank, self.stage.pp, self.paired) for rank, actions in enumerate(actions_by_rank)]
+        play_nccl(plans, batched=self.paired)  # what this rank runs below is plans[rank], the plan checked here
         actions = actions_by_rank[self.stage.rank]
-        last_backward = max(n for n, (kind, _) in enumerate(actions) if kind == "B")
-        self.held, self.sends, self.peak_held = {}, [], 0
+        last_backward = [action for action in actions if action[0] == "B"][-1]
+        self.held, self.peak_held = {}, 0
+        self.received, self.outgoing, self.sends = {}, {}, []  # by (kind, i): buffers in, tensors out; works
         self.loss_sum = None
         self.timeline, self.start = [], self.now()
-        for n, (kind, i) in enumerate(actions):
+        for item in plans[self.stage.rank]:
             # A sent tensor is kept until its send is done, not until the step ends: the activations
             # sent by GPipe's m forwards would otherwise all live to the end, whatever the schedule.
-            self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
-            if kind == "F":
-                self.forward(i, micro_batches[i], num_targets)
+            self.sends = [(works, tensors) for works, tensors in self.sends if not all(w.is_completed() for w in works)]
+            if isinstance(item, list):
+                self.post(item, micro_batches)
+            elif item[0] == "F":
+                self.forward(item[1], micro_batches[item[1]], num_targets)
             else:
                 # Only the last backward reduces across data-parallel ranks: the others just add up.
-                with nullcontext() if self.no_sync is None or n == last_backward else self.no_sync():
-                    self.backward(i, micro_batches[i])
-        for work, _ in self.sends:  # every send has arrived before the step ends (and its tensor may go)
-            work.wait()
+                with nullcontext() if self.no_sync is None or item == last_backward else self.no_sync():
+                    self.backward(item[1], micro_batches[item[1]])
+        for works, _ in self.sends:  # every send has arrived before the step ends (and its tensor may go)
+            for work in works:
+                work.wait()
         self.sends = []
         self.step_time = self.now() - self.start
         return self.loss_sum
@@ -156,11 +247,29 @@ class Executor:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def post(self, ops: list, micro_batches: list[dict]) -> None:
+        """Post one step of the plan: its sends (of what the last action left in `outgoing`) and its
+        receives (into new buffers in `received`), together. Wait for them if one is a receive: the
+        next action computes on it. Sends alone are kept in `sends`, with their tensors, until done."""
+        requests = []
+        for direction, kind, i, peer in ops:
+            if direction == "send":
+                requests.append(p2p.send(self.outgoing.pop((kind, i)), peer, self.group))
+            else:
+                shape = p2p.activation_shape(micro_batches[i], self.stage.config.hidden_size)
+                buffer = self.received[kind, i] = torch.empty(shape, dtype=self.dtype, device=self.device)
+                requests.append(p2p.recv(buffer, peer, self.group))
+        works = p2p.post(requests, batched=self.paired)
+        if any(direction == "recv" for direction, *_ in ops):
+            for work in works:
+                work.wait()
+        else:
+            self.sends.append((works, [request.tensor for request in requests]))
+
     def forward(self, i: int, batch: dict, num_targets: int) -> None:
-        stage, rank = self.stage, self.stage.rank
-        shape = p2p.activation_shape(batch, stage.config.hidden_size)
+        stage = self.stage
         # The received activations become a leaf of this stage's graph: backward gives their gradient.
-        inputs = None if stage.is_first else p2p.recv(shape, self.dtype, self.device, rank - 1, self.group)
+        inputs = None if stage.is_first else self.received.pop(("F", i))
         start = self.now()  # after the receive: waiting for it is idle time, not this stage's work
         if inputs is not None:
             inputs.requires_grad_(True)
@@ -172,20 +281,16 @@ class Executor:
         self.peak_held = max(self.peak_held, len(self.held))
         self.timeline.append(("F", i, start - self.start, self.now() - self.start))  # before the send is posted
         if not stage.is_last:
-            sent = output.detach()
-            self.sends.append((p2p.send(sent, rank + 1, self.group), sent))
+            self.outgoing["F", i] = output.detach()  # the next post sends it
 
     def backward(self, i: int, batch: dict) -> None:
-        stage, rank = self.stage, self.stage.rank
+        stage = self.stage
         inputs, output = self.held.pop(i)  # the graph of micro-batch i goes with them after this
+        start = self.now()  # after the receive, as in forward
         if stage.is_last:
-            start = self.now()
             output.backward()
         else:
-            shape = p2p.activation_shape(batch, stage.config.hidden_size)
-            gradient = p2p.recv(shape, self.dtype, self.device, rank + 1, self.group)
-            start = self.now()  # after the receive, as in forward
-            output.backward(gradient)
+            output.backward(self.received.pop(("B", i)))
         self.timeline.append(("B", i, start - self.start, self.now() - self.start))  # before the send is posted
         if not stage.is_first:
-            self.sends.append((p2p.send(inputs.grad, rank - 1, self.group), inputs.grad))
+            self.outgoing["B", i] = inputs.grad  # the next post sends it
