@@ -21,12 +21,13 @@ stage after, a backward the other way (`messages`). `plan` lays them out in the 
 posts them, between its computations: each action's receive just before it, its send just after.
 And it *pairs* them: when an action's send goes to the neighbour the next action receives from,
 the two are posted together, as one batch (`post`, by `torch.distributed.batch_isend_irecv`). That
-happens in 1F1B's steady state: a forward's output goes to the stage after, whose gradient the
-next backward receives; a backward's gradient goes to the stage before, whose activations the next
-forward receives. On gloo it changes nothing: a send never waits for its receive. On NCCL it is
-what keeps 1F1B from hanging: there a send does not finish until its receive is reached, in
-order, and two neighbours that each send first and receive second wait for each other for ever,
-unless each posts its send and receive in one group, whose operations progress together
+happens in 1F1B's steady state (and once in GPipe, where the forwards turn into backwards): a
+forward's output goes to the stage after, whose gradient the next backward receives; a backward's
+gradient goes to the stage before, whose activations the next forward receives. On gloo it changes
+no result: a send there never waits for its receive. On NCCL it is what keeps 1F1B from hanging:
+there a send does not finish until its receive is reached, in order, and two neighbours that each
+send first and receive second wait for each other for ever, unless each posts its send and
+receive in one group, whose operations progress together
 (`executor.py` plays both orders under NCCL's rule; Megatron-LM's `p2p_communication.py` pairs
 the same way, in `send_forward_recv_backward` and `send_backward_recv_forward`).
 

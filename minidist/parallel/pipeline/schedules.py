@@ -6,7 +6,8 @@ receives are implied by the stage's place, so that a list reads as the diagrams 
 a forward receives its input from the stage before (unless it is the first) and sends its output
 to the stage after (unless it is the last); a backward receives its output's gradient from the
 stage after (unless it is the last, which starts from its loss) and sends its input's gradient to
-the stage before. `executor.run` runs any such table; `show` prints it:
+the stage before (`p2p.plan` lays out when each is posted). `executor.Executor.step` runs any such
+table; `show` prints it:
 
     >>> print(show(table("1f1b", m=4, pp=2)))
     rank 0: F0 F1 B0 F2 B1 F3 B2 B3
