@@ -181,7 +181,7 @@ class CpuTimed(executor.Executor):
         return [cpu_at[end] - cpu_at[start] for _, _, start, end in self.timeline]
 
 
-def measure(tables: list, *, hidden=256, layers=4, vocab=256, sequences=8, length=64, steps=3,
+def measure(tables: list, *, hidden=256, layers=4, vocab=64, sequences=8, length=64, steps=3,
             micro_batch=None) -> list:
     """In each rank of a `launch` (rank r is stage r): run every table of actions (`schedules.table`)
     for a warm-up step and `steps` steps on one batch of `sequences` x `length` random tokens, every
