@@ -42,10 +42,9 @@ DDP_VARIANTS = ("bucketed", "naive")
 EVERY = ("minidist", "torch"), STRATEGIES + HYBRID  # (implementations, strategies) an option applies to
 # What tensor parallelism (lesson 11) composes with over the data-parallel dimension, so far.
 TENSOR_PARALLEL_WITH = ("minidist/ddp", "minidist/fsdp", "torch/fsdp")
-# What pipeline parallelism (lesson 12) composes with over the data-parallel dimension, so far.
-# The hand-written FSDP is not among them yet: its units assume each forward is followed by its own
-# backward, and a schedule runs several forwards before the first backward.
-PIPELINE_WITH = ("minidist/ddp", "minidist/zero1", "torch/fsdp")
+# What pipeline parallelism (lesson 12) composes with over the data-parallel dimension, so far. The
+# hand-written FSDP's units are gathered again by each micro-batch's backward (fsdp.py, "Under a pipeline").
+PIPELINE_WITH = ("minidist/ddp", "minidist/zero1", "minidist/fsdp", "torch/fsdp")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # pipeline/schedules.py
 
 # AdamW's hyper-parameters besides the learning rate and weight decay (the flags): betas as in
@@ -153,8 +152,8 @@ class ParallelOptions:
         if self.name not in PIPELINE_WITH:
             raise ValueError(f"--pp_size composes with {' or '.join(PIPELINE_WITH)} over the data-parallel ranks, "
                              f"not {self.name}")
-        # accumulate_sharded: PyTorch's schedule decides itself which backward reduce-scatters, and the
-        # hand-written pipeline composes with no strategy the flag applies to.
+        # accumulate_sharded: PyTorch's schedule decides itself which backward reduce-scatters; the hand-written
+        # FSDP's sharded accumulation under a pipeline has not been tried.
         for flag in ("sequence_parallel", "cpu_offload", "accumulate_sharded"):
             if getattr(self, flag):
                 raise ValueError(f"--{flag} with --pp_size has not been built: use one or the other")

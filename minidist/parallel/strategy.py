@@ -472,7 +472,9 @@ class MinidistFSDP(ShardedByHand):
     def load_model(self, name_or_path):
         """Only rank 0 reads the weights; the others build the model on the meta device (shapes,
         no memory) and receive their shards when `wrap` scatters them (`load_on_rank0`). With
-        --tp_size T, the T ranks of data-parallel rank 0 read them, each to cut its own slices from."""
+        --tp_size T, the T ranks of data-parallel rank 0 read them, each to cut its own slices from;
+        with --pp_size, data-parallel rank 0 of each stage, which keeps its stage's layers (`wrap`:
+        the stage is cut before it is sharded, and each stage's ranks get their shards from it)."""
         return load_on_rank0(name_or_path, self.env, loads=self.mesh.rank == 0)
 
     def wrap(self, model):

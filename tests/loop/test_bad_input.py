@@ -146,9 +146,9 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
      "error: --pp_size 8 is larger than the model's 2 decoder layers: every stage needs at least one"),
     (["--impl", "minidist", "--strategy", "ddp", "--pp_size", "2"],
      "error: --pp_size 2 must divide the 1 ranks into equal pipeline stages"),
-    (["--impl", "minidist", "--strategy", "fsdp", "--pp_size", "2"],
-     "error: --pp_size composes with minidist/ddp or minidist/zero1 or torch/fsdp over the data-parallel ranks, "
-     "not minidist/fsdp"),
+    (["--impl", "minidist", "--strategy", "zero2", "--pp_size", "2"],
+     "error: --pp_size composes with minidist/ddp or minidist/zero1 or minidist/fsdp or torch/fsdp over the "
+     "data-parallel ranks, not minidist/zero2"),
     (["--impl", "torch", "--strategy", "fsdp", "--pp_size", "2", "--accumulate_sharded"],
      "error: --accumulate_sharded with --pp_size has not been built: use one or the other"),
     # PyTorch's pp x tp runs (tests/loop/test_finetune.py); sequence parallelism under a pipeline does not.

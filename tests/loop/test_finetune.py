@@ -75,6 +75,10 @@ SPLITS = [  # (implementation, strategy, world size, batch per device, accumulat
     ("minidist", "ddp", 2, 2, 2, ["--pp_size", "2"]),
     ("minidist", "ddp", 2, 1, 4, ["--pp_size", "2", "--pp_schedule", "gpipe"]),
     ("minidist", "zero1", 4, 1, 2, ["--pp_size", "2"]),
+    # The hand-written FSDP over each stage: 1F1B runs two forwards on stage 0 before a backward, GPipe four
+    # on both stages, each backward gathering its units again (and recomputing its layers).
+    ("minidist", "fsdp", 4, 1, 2, ["--pp_size", "2"]),
+    ("minidist", "fsdp", 2, 1, 4, ["--pp_size", "2", "--pp_schedule", "gpipe", "--gradient_checkpointing"]),
     # 3-D: 2 stages x 2 tensor-parallel slices x 2 data-parallel ranks, on 8 ranks.
     ("minidist", "ddp", 8, 1, 2, ["--pp_size", "2", "--tp_size", "2", "--gradient_checkpointing"]),
     # PyTorch's own schedules (torch.distributed.pipelining) around the same stages, FSDP2 over each stage.
