@@ -6,15 +6,16 @@ micro-batches, run by GPipe and 1F1B (with one micro-batch both are F0 B0: run o
 stage, the second step's peak of held activations (`memory.pipeline.HeldActivations`: what autograd
 saved, with the inputs and outputs the executor keeps) is held to `memory.pipeline.stage_estimate`:
 GPipe keeps m micro-batches, 1F1B min(m, p - r), each what the stage's trace on fake tensors says.
-Every case of a world size runs in one launch.
+Every case of a world size runs in one launch, shared with the other pipeline modules
+(tests/pipeline_launches.py).
 """
 
+import pipeline_launches
 import pipeline_memory_workers as workers
 import pytest
 
 from minidist.memory import __main__ as memory_command
 from minidist.memory import estimator, pipeline, trace
-from minidist.runtime.launch import launch
 
 CASES = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]
 SEQUENCES, LENGTH = 8, 16  # pipeline_workers.global_batch: the longest sequence is 16 tokens
@@ -23,12 +24,16 @@ SEQUENCES, LENGTH = 8, 16  # pipeline_workers.global_batch: the longest sequence
 TOLERANCE = 1e-3
 
 
+# In the launch of each world size that the pipeline modules share (tests/pipeline_launches.py).
+PLANNED = {pp: pipeline_launches.plan(pp, workers.cases, [(schedule, m, m == 4) for schedule, m in CASES]) for pp in (2, 4)}
+
+
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    """{(pp, schedule, m): every rank's figures}: one launch per world size."""
+    """{(pp, schedule, m): every rank's figures}."""
     out = {}
     for pp in (2, 4):
-        ranks = launch(workers.cases, pp, [(schedule, m, m == 4) for schedule, m in CASES], timeout_s=600)
+        ranks = pipeline_launches.results(PLANNED[pp])
         out.update({(pp, *case): [rank[i] for rank in ranks] for i, case in enumerate(CASES)})
     return out
 

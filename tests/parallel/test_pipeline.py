@@ -2,15 +2,15 @@
 CPU ranks, its micro-batches run by GPipe and 1F1B tables, trains as the whole model does in one
 process; the bytes between stages are what the cuts need; a table that would deadlock is refused.
 
-Every case of a world size runs in one launch (`pipeline_workers.cases`): starting ranks costs more
-than a case."""
+Every case of a world size runs in one launch (`pipeline_workers.cases`), shared with the other
+pipeline modules (`pipeline_launches`): starting ranks costs more than a case."""
 
+import pipeline_launches
 import pipeline_workers
 import pytest
 import torch
 
 from minidist.parallel.pipeline import executor, schedules, stages
-from minidist.runtime.launch import launch
 
 TOLERANCE = 1e-10  # float64: the algorithm, not the rounding (the issue's 1e-5 is for fp32)
 PARITY = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (1, 2, 8)]
@@ -19,14 +19,18 @@ SABOTAGE = ["activations", "gradients", "scale"]  # on 2 ranks, 1F1B, 2 micro-ba
 ACTIVATION_BYTES = pipeline_workers.SEQUENCES * pipeline_workers.LENGTH * pipeline_workers.HIDDEN * 8
 
 
+TWO = [{"schedule": "1f1b", "m": 2, "sabotage": name} for name in SABOTAGE]
+TWO += [{"schedule": schedule, "m": m} for schedule, m in PARITY]
+FOUR = [{"schedule": schedule, "m": m} for schedule, m in PARITY]
+# In the launch of each world size that the pipeline modules share (tests/pipeline_launches.py).
+PLANNED = {2: pipeline_launches.plan(2, pipeline_workers.cases, TWO),
+           4: pipeline_launches.plan(4, pipeline_workers.cases, FOUR)}
+
+
 @pytest.fixture(scope="module")
 def results():
-    """Every case's result by (pp, what): one launch per world size."""
-    two = [{"schedule": "1f1b", "m": 2, "sabotage": name} for name in SABOTAGE]
-    two += [{"schedule": schedule, "m": m} for schedule, m in PARITY]
-    four = [{"schedule": schedule, "m": m} for schedule, m in PARITY]
-    by_rank_2 = launch(pipeline_workers.cases, 2, two, timeout_s=600)
-    by_rank_4 = launch(pipeline_workers.cases, 4, four, timeout_s=600)
+    """Every case's result by (pp, what)."""
+    by_rank_2, by_rank_4 = pipeline_launches.results(PLANNED[2]), pipeline_launches.results(PLANNED[4])
     out = {(2, "sabotage", name): [rank[i] for rank in by_rank_2] for i, name in enumerate(SABOTAGE)}
     out.update({(2, *case): [rank[len(SABOTAGE) + i] for rank in by_rank_2] for i, case in enumerate(PARITY)})
     out.update({(4, *case): [rank[i] for rank in by_rank_4] for i, case in enumerate(PARITY)})

@@ -4,20 +4,26 @@ model in one process (`legal_moves.greedy_continue`), for left-padded prompts of
 whole or cut to a context; the legal-move rate through the pipeline, alone and beside another
 pipeline (pp 2 x dp 2), is the one-process rate; nothing is counted as training traffic.
 
-Every case of a world size runs in one launch (`pipeline_generate_workers.cases`): starting ranks
-costs more than a case. The one-process reference runs once, here."""
+Every case of a world size runs in one launch (`pipeline_generate_workers.cases`), shared with the
+other pipeline modules (`pipeline_launches`): starting ranks costs more than a case. The one-process reference runs once, here."""
 
 import pipeline_generate_workers as workers
+import pipeline_launches
 import pytest
 import torch
 
 from minidist.batches import left_padded
 from minidist.chess import legal_moves
 from minidist.parallel.pipeline import generate
-from minidist.runtime.launch import launch
 
 TWO = [("text", 2), ("cut", 2), ("rate", 2), ("text", 2, "zeros"), ("misplaced", 2)]
 FOUR = [("text", 4), ("cut", 4), ("rate", 4), ("rate", 2)]  # the last: 2 pipelines of 2 stages, side by side
+
+
+# In the launch of each world size that the pipeline modules share (tests/pipeline_launches.py).
+PLANNED = {world: pipeline_launches.plan(world, workers.cases, [dict(zip(("what", "pp", "sabotage"), spec))
+                                                                  for spec in specs])
+           for world, specs in ((2, TWO), (4, FOUR))}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +31,7 @@ def results():
     """Every case's results by rank, keyed as in TWO and FOUR by (world, what, pp[, sabotage])."""
     out = {}
     for world, specs in ((2, TWO), (4, FOUR)):
-        cases = [dict(zip(("what", "pp", "sabotage"), spec)) for spec in specs]
-        by_rank = launch(workers.cases, world, cases, timeout_s=600)
+        by_rank = pipeline_launches.results(PLANNED[world])
         out.update({(world, *spec): [rank[i] for rank in by_rank] for i, spec in enumerate(specs)})
     return out
 

@@ -2,17 +2,18 @@
 GPipe and 1F1B around the same stages) trains as the whole model does in one process, and as the
 hand-written executor does; what it sends; what it refuses.
 
-Every case runs in one launch of 4 ranks (`pipeline_reference_workers.cases`): pp 4 on the world, pp 2
-on two groups at once (ranks 0-1 and 2-3, two pipelines that must both match); starting ranks costs
-more than a case, and the one-process reference is trained once, here."""
+Every case runs in one launch of 4 ranks (`pipeline_reference_workers.cases`), shared with the other
+pipeline modules (`pipeline_launches`): pp 4 on the world, pp 2 on two groups at once (ranks 0-1 and
+2-3, two pipelines that must both match); starting ranks costs more than a case, and the one-process
+reference is trained once, here."""
 
+import pipeline_launches
 import pipeline_reference_workers
 import pipeline_workers
 import pytest
 import torch
 
 from minidist.parallel.pipeline import reference, schedules, stages
-from minidist.runtime.launch import launch
 
 TOLERANCE = 1e-10  # float64: the algorithm, not the rounding
 PARITY = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (1, 2, 8)]
@@ -22,18 +23,23 @@ ACTIVATION_BYTES = pipeline_workers.SEQUENCES * pipeline_workers.LENGTH * pipeli
 AGAINST = {2: ("gpipe", 2, 2), 4: ("1f1b", 4, 1)}
 
 
+SPECS = []
+for pp in (2, 4):
+    SPECS += [("parity", pp, {"schedule": schedule, "m": m}) for schedule, m in PARITY]
+    SPECS.append(("against_executor", pp, dict(zip(("schedule", "m", "dp_size"), AGAINST[pp]))))
+SPECS += [("parity", 2, {"schedule": "1f1b", "m": 2, "sabotage": True}), ("torch_1f1b_refusal", 2, {}),
+          ("wrong_rank", 2, {})]
+# In the 4-rank launch the pipeline modules share (tests/pipeline_launches.py); the reference trained here, once.
+PLANNED = pipeline_launches.plan(4, pipeline_reference_workers.cases, SPECS,
+                                 pipeline_launches.Later(pipeline_workers.reference))
+
+
 @pytest.fixture(scope="module")
 def results():
     """Every case's result by (pp, what): a list of pipelines (two at pp 2, one at pp 4), each a list by rank."""
-    specs = []
-    for pp in (2, 4):
-        specs += [("parity", pp, {"schedule": schedule, "m": m}) for schedule, m in PARITY]
-        specs.append(("against_executor", pp, dict(zip(("schedule", "m", "dp_size"), AGAINST[pp]))))
-    specs += [("parity", 2, {"schedule": "1f1b", "m": 2, "sabotage": True}), ("torch_1f1b_refusal", 2, {}),
-              ("wrong_rank", 2, {})]
-    by_rank = launch(pipeline_reference_workers.cases, 4, specs, pipeline_workers.reference(), timeout_s=600)
+    by_rank = pipeline_launches.results(PLANNED)
     out = {}
-    for i, (name, pp, kwargs) in enumerate(specs):
+    for i, (name, pp, kwargs) in enumerate(SPECS):
         key = (kwargs["schedule"], kwargs["m"]) if name == "parity" and "sabotage" not in kwargs else (name,)
         ranks = [rank[i] for rank in by_rank]
         out[(pp, *key)] = [ranks[:2], ranks[2:]] if pp == 2 else [ranks]
