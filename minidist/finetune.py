@@ -321,15 +321,13 @@ def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
     """What pipeline parallelism does not do yet, each in one line (a ValueError)."""
     if lora.enabled(lora_options):
         raise ValueError("LoRA with --pp_size has not been built: use one or the other")
-    if args.save_steps or args.resume:  # pipeline/checkpoint.py: minidist DDP (with --tp_size too), ZeRO-1 (sharded), FSDP2
-        built = ((args.impl == "minidist" and (args.strategy == "ddp" or (
-                      args.tp_size == 1 and args.strategy == "zero1" and args.checkpoint_format == "sharded")))
+    if args.save_steps or args.resume:  # pipeline/checkpoint.py: minidist DDP (with --tp_size too), ZeRO-1, FSDP2
+        built = ((args.impl == "minidist" and (args.strategy == "ddp" or (args.tp_size == 1 and args.strategy == "zero1")))
                  or (args.impl == "torch" and args.strategy == "fsdp" and args.tp_size == 1))
         if not built:
             raise ValueError("checkpoints of a pipeline (--pp_size) are built for --impl minidist --strategy ddp (with "
-                             "--tp_size too) and zero1 with --checkpoint_format sharded, and --impl torch --strategy "
-                             "fsdp without --tp_size: drop --save_steps and --resume for the others (the final model "
-                             "is written)")
+                             "--tp_size too) and zero1, and --impl torch --strategy fsdp, zero1 and fsdp without "
+                             "--tp_size: drop --save_steps and --resume for the others (the final model is written)")
 
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):

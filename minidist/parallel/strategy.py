@@ -422,11 +422,19 @@ class ShardedByHand(Strategy):
             if full:
                 return checkpoint.whole_flats(model, model_sd, optim_sd, self._split, self.mesh)
             optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
-        if self.pipeline:  # sharded only (finetune refuses full): each stage's flats, its layout noted
+        if self.pipeline:  # ZeRO-1 (finetune refuses FSDP): each stage's flats, its layout noted; full: as pp 1 writes it
             from minidist.parallel.pipeline import checkpoint
 
+            if full:
+                return checkpoint.joined_flats(model, model_sd, optim_sd, self.mesh, self._run_buckets(model))
             optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
         return model_sd, optim_sd
+
+    def _run_buckets(self, model) -> list:
+        """The buckets ZeRO makes of the whole model without a pipeline (`pipeline/checkpoint.run_buckets`)."""
+        from minidist.parallel.pipeline.checkpoint import run_buckets
+
+        return run_buckets(self.model_to_save(model), self.options.value("bucket_cap_mb"))
 
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
         from minidist.parallel import flat_state
@@ -439,10 +447,15 @@ class ShardedByHand(Strategy):
                                                                              self._split, self.mesh)
             else:
                 checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)
-        if self.pipeline:  # a stage's flats: at the layout that wrote them (a full checkpoint: not built)
+        if self.pipeline:  # a stage's flats: at the layout that wrote them; full: rank 0's pp 1 flats cut into them
             from minidist.parallel.pipeline import checkpoint
 
-            checkpoint.check_sharded(optim_state_dict, full, self.mesh)
+            if full:
+                model_state_dict, optim_state_dict = checkpoint.sharded_flats(model, model_state_dict, optim_state_dict,
+                                                                              self.mesh, self._run_buckets(model))
+                full = False  # each rank now holds its own shards, as from a sharded checkpoint
+            else:
+                checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)
         flat_state.set_state_dict(model, optimizer, model_state_dict, optim_state_dict, full, self.env, self.mesh)
 
 

@@ -2,14 +2,15 @@
 
 Sharded: a pp 2 run saved at step 2 and resumed from there ends bitwise where an uninterrupted run
 ends (the losses of steps 3 and 4, every final weight), for the hand-written DDP (also pp 2 x tp 2),
-ZeRO-1 and PyTorch's FSDP2 (pp 2 x 2 data-parallel ranks). A DDP
-stage's tensors are whole and keyed by the whole model's names, so DCP reshards its checkpoint by
-itself: resumed without a pipeline it ends within 1e-5 of the uninterrupted run. Full: the stages
-joined on rank 0, as a run without a pipeline writes them, so a pp 2 checkpoint resumes at pp 1 and
-a pp 1 checkpoint at pp 2, within 1e-5 (not bitwise: pp 1 accumulates the micro-batches' gradients
-in another order). The same with --tp_size 2: a pp 2 x tp 2 checkpoint resumes at pp 1 x tp 2, and a
-pp 2 one at pp 2 x tp 2; and PyTorch's FSDP2: a pp 2 checkpoint, the stages joined, resumes at pp 1.
-ZeRO-1's flats are its stage's buckets: another layout is refused in one line.
+ZeRO-1 and PyTorch's FSDP2 (pp 2 x 2 data-parallel ranks). A DDP stage's tensors are whole and keyed
+by the whole model's names, so DCP reshards its checkpoint by itself: resumed without a pipeline it
+ends within 1e-5 of the uninterrupted run. Full: the stages joined on rank 0, as a run without a
+pipeline writes them, so a pp 2 checkpoint resumes at pp 1 and a pp 1 checkpoint at pp 2, within
+1e-5 (not bitwise: pp 1 accumulates the micro-batches' gradients in another order), for DDP and for
+ZeRO-1, whose full checkpoint lays the moments out in the buckets of a run without a pipeline. With
+--tp_size 2: a pp 2 x tp 2 checkpoint resumes at pp 1 x tp 2, and a pp 2 one at pp 2 x tp 2; and
+PyTorch's FSDP2: a pp 2 checkpoint, the stages joined, resumes at pp 1. A sharded ZeRO-1
+checkpoint's flats are its stage's buckets: another layout is refused in one line.
 
 One launch per world size, the runs one after the other (the tiny 2-layer model: pp 2 is one layer
 per stage): 2 ranks, where pp 1 runs are 2 data-parallel ranks of 1 sequence and pp 2 runs 2
@@ -74,6 +75,10 @@ def runs(tiny_model, root):
         "ddp full pp 1 at pp 2": run("ddp-full-at-pp2", "ddp", 2, *resume(root, "ddp-pp1-full")),
         "zero1 pp 2 sharded": run("zero1-pp2-sharded", "zero1", 2, *SAVE),
         "zero1 pp 2 sharded resumed": run("zero1-pp2-sharded", "zero1", 2, *SAVE, *resume(root, "zero1-pp2-sharded")),
+        "zero1 pp 2 full": run("zero1-pp2-full", "zero1", 2, *FULL),
+        "zero1 pp 1 full": run("zero1-pp1-full", "zero1", 1, *FULL),
+        "zero1 full pp 2 at pp 1": run("zero1-full-at-pp1", "zero1", 1, *resume(root, "zero1-pp2-full")),
+        "zero1 full pp 1 at pp 2": run("zero1-full-at-pp2", "zero1", 2, *resume(root, "zero1-pp1-full")),
     }
     refused = run("zero1-at-pp1", "zero1", 1, *resume(root, "zero1-pp2-sharded"))  # last, on the same ranks
     by_rank = launch(run_finetunes_then_refusal, 2, list(batch.values()), refused, timeout_s=600)
@@ -120,11 +125,13 @@ def test_dcp_reshards_a_ddp_pipeline_checkpoint_to_pp_1(runs):
     assert_same(runs["ddp sharded pp 2 at pp 1"], runs["ddp pp 2 full"], exact=False)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 @pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)])
-def test_a_full_checkpoint_resumes_at_another_pp_size(runs, saved, resumed):
-    run, written = runs[f"ddp full pp {saved} at pp {resumed}"], runs[f"ddp pp {saved} full"]
+def test_a_full_checkpoint_resumes_at_another_pp_size(runs, strategy, saved, resumed):
+    run, written = runs[f"{strategy} full pp {saved} at pp {resumed}"], runs[f"{strategy} pp {saved} full"]
     assert run["losses"][:2] == written["losses"][:2]  # the checkpoint's own records
-    assert_same(run, runs["ddp pp 2 full"], exact=False)
+    assert_same(run, runs[f"{strategy} pp 2 full"], exact=False)
+    assert_same(runs[f"{strategy} pp 2 full"], runs["ddp pp 2 full"], exact=False)  # ZeRO-1: the same run as DDP
 
 
 @pytest.mark.parametrize("layout", ["ddp pp 2 x tp 2", "fsdp pp 2"])
@@ -163,11 +170,11 @@ def test_a_sharded_zero1_checkpoint_resumed_without_a_pipeline_is_refused_in_one
 
 
 BUILT = [("minidist", "ddp", "sharded", 2), ("minidist", "ddp", "full", 2), ("minidist", "zero1", "sharded", 1),
-         ("torch", "fsdp", "sharded", 1), ("torch", "fsdp", "full", 1)]
+         ("minidist", "zero1", "full", 1), ("torch", "fsdp", "sharded", 1), ("torch", "fsdp", "full", 1)]
 
 
 @pytest.mark.parametrize("impl, strategy, form, tp", [
-    ("minidist", "zero1", "full", 1), ("minidist", "zero1", "sharded", 2),
+    ("minidist", "zero1", "sharded", 2),  # ZeRO-1's flats with tensor parallelism under a pipeline
     ("minidist", "fsdp", "sharded", 1),  # the hand-written FSDP's flats under a pipeline
     ("torch", "fsdp", "sharded", 2),  # PyTorch's pp x tp
 ])

@@ -15,7 +15,8 @@ forms, and this module makes both out of the stages' pieces:
   betas, ...), which DCP writes once under one key, with one stage's list of parameter names. On
   load each stage keeps the saved hyperparameters and puts its own names back (`own_param_groups`).
   ZeRO's flats are a stage's buckets, laid out for that stage's parameters: a checkpoint of them
-  resumes at its own layout only, which it records (`LAYOUT`) and checks (`check_layout`).
+  resumes at its own layout only, which it records (`LAYOUT`) and checks (`check_layout`); a full
+  checkpoint is the way to change it.
 
 - **full**: exactly what a run without a pipeline writes: the whole model's weights by name (a
   `from_pretrained` folder) and its optimizer state by parameter name, on rank 0. Each stage's
@@ -25,14 +26,21 @@ forms, and this module makes both out of the stages' pieces:
   from rank 0 to all ranks, one at a time, and each keeps the keys of its own stage (its slice of
   each, with --tp_size: `tensor/checkpoint.slices_from_rank0`): so it loads at any pp size, 1
   included (the code a run without --pp_size always had), and with DDP at any tp size too.
+
+  ZeRO-1's full form is ZeRO's without a pipeline (`flat_state.py`): the weights by name and the
+  moments as whole flats, laid out in the buckets a pp 1 run makes of the whole model
+  (`run_buckets`). So each stage's flats are cut into their parameters, joined by name on rank 0
+  and laid out again in those buckets (`joined_flats`); loading cuts them into parameters, each
+  stage keeps its own and lays them out in its flats, each rank taking its shard (`sharded_flats`).
 """
 
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.flat_state import MOMENTS
+from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats
 from minidist.parallel.pipeline.loop import join_stages
 from minidist.parallel.tensor.checkpoint import joined_over_tp, slices_from_rank0
+from minidist.parallel.wrapper import pack_buckets
 from minidist.runtime.errors import UsageError
 
 LAYOUT = "pipeline_layout"  # a sharded ZeRO checkpoint's (pp size, data-parallel ranks)
@@ -60,16 +68,7 @@ def check_layout(saved: torch.Tensor, mesh) -> None:
     if (pp, dp) != (mesh.pp_size, mesh.size):
         raise UsageError(f"this sharded checkpoint was written at --pp_size {pp} on {dp} data-parallel ranks, and this "
                          f"run has {mesh.pp_size} on {mesh.size}: a sharded ZeRO checkpoint of a pipeline resumes at "
-                         f"its own layout: resume with that one (full checkpoints of ZeRO-1 under a pipeline are not built yet)")
-
-
-def check_sharded(optim_sd: dict, full: bool, mesh) -> None:
-    """What ZeRO's flats under a pipeline load, each refusal in one line: a sharded checkpoint of
-    this layout (`LAYOUT` popped from `optim_sd`); a full one not yet (its flats are another run's buckets)."""
-    if full:
-        raise UsageError("a full checkpoint does not load into ZeRO's flats under --pp_size yet: resume it with "
-                         "--strategy ddp, or without --pp_size")
-    check_layout(optim_sd.pop(LAYOUT), mesh)
+                         f"its own layout: resume with that one, or save with --checkpoint_format full")
 
 
 # ---------------------------------------------------------------- full: the stages joined on rank 0
@@ -152,3 +151,78 @@ def load_stage(module, optimizer, model_sd: dict, optim_sd: dict, cut: dict | No
     options = dsd.StateDictOptions(full_state_dict=True)  # every rank holds its stage's tensors whole
     dsd.set_optimizer_state_dict(module, optimizer, optim_sd, options=options)
     dsd.set_model_state_dict(module, model_sd, options=options)
+
+
+# ---------------------------------------------------------------- full ZeRO-1: the flats as a pp 1 run lays them out
+def run_buckets(whole_model, bucket_cap_mb: float) -> list[list[tuple[str, torch.Size]]]:
+    """The (name, shape) of each parameter of each bucket that ZeRO (`zero.ZeroDP`) makes of
+    `whole_model` (built on the meta device) without a pipeline: its trainable parameters in reverse
+    order, packed into runs of `bucket_cap_mb` of fp32 (the loop loads in fp32; `wrapper.pack_buckets`)."""
+    named = [(name, p) for name, p in whole_model.named_parameters() if p.requires_grad][::-1]
+    fp32 = [torch.empty(p.shape, device="meta") for _, p in named]
+    name_of = {id(t): name for t, (name, _) in zip(fp32, named)}
+    return [[(name_of[id(t)], t.shape) for t in run] for run in pack_buckets(fp32, int(bucket_cap_mb * 2**20))]
+
+
+def joined_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> tuple[dict, dict]:
+    """A full checkpoint of ZeRO under a pipeline, as a run without one writes it: `model_sd` and
+    `optim_sd` are what `flat_state.get_state_dict` gave each stage's data-parallel rank 0 (its
+    weights by name, and its flats' whole moments). Each flat is cut into its parameters, the stages
+    joined by name on rank 0, and the moments laid out again in the buckets a pp 1 run has
+    (`buckets`: `run_buckets`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere."""
+    holder = mesh.rank == 0
+    moments = {} if holder else None
+    for key, flat in keyed_flats(model) if holder else ():
+        saved, names = optim_sd["flats"][key], [n[0] for n in flat.names]
+        for m in MOMENTS:
+            moments.update({(name, m): t for name, t in zip(names, flat.layout.views(saved[m]))})
+        moments.update({(name, "step"): saved["step"] for name in names})
+    weights = join_stages(model_sd if holder else None, mesh)
+    moments = join_stages(moments, mesh)
+    if dist.get_rank() != 0:
+        return {}, {}
+    flats = {}
+    for i, run in enumerate(buckets):
+        flats[f"flat{i}.{run[0][0]}"] = {"step": moments[run[0][0], "step"],
+                                         **{m: torch.cat([moments[name, m].reshape(-1) for name, _ in run])
+                                            for m in MOMENTS}}
+    return weights, {"flats": flats, "lr": optim_sd["lr"]}
+
+
+def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> tuple[dict, dict]:
+    """A full ZeRO checkpoint of any pp size (rank 0 holds it, laid out in the buckets of a run
+    without a pipeline: `buckets`), as `flat_state.set_state_dict` loads a sharded one into this
+    rank's stage: each flat's shard of weights and moments, a DTensor of the whole flat. Rank 0
+    sends every tensor, one at a time; each rank keeps its stage's and lays them out in its flats."""
+    rank0 = dist.get_rank() == 0
+    flats = keyed_flats(model)
+    mine = {n[0] for _, flat in flats for n in flat.names}
+    whole = None
+    if rank0:  # the buckets cut into their parameters, by (name, moment)
+        whole = {}
+        for i, run in enumerate(buckets):
+            saved = optim_sd["flats"][f"flat{i}.{run[0][0]}"]
+            for m in MOMENTS:
+                whole.update({(name, m): t.view(shape) for (name, shape), t
+                              in zip(run, saved[m].split([shape.numel() for _, shape in run]))})
+            whole.update({(name, "step"): saved["step"] for name, _ in run})
+    keep = {"wanted": lambda key: key in mine, "cut_of": lambda key: None}
+    weights = slices_from_rank0(model_sd if rank0 else None, group=None, tp_group=None, **keep)
+    keep["wanted"] = lambda key: key[0] in mine
+    moments = slices_from_rank0(whole, group=None, tp_group=None, **keep)
+    lr = [optim_sd["lr"] if rank0 else None]
+    dist.broadcast_object_list(lr, src=0)
+    model_sd, state = {}, {}
+    for key, flat in flats:
+        names = [n[0] for n in flat.names]
+        model_sd[key] = _shard(flat.layout, [weights[name] for name in names], mesh)
+        state[key] = {"step": moments[names[0], "step"],
+                      **{m: _shard(flat.layout, [moments[name, m] for name in names], mesh) for m in MOMENTS}}
+    return model_sd, {"flats": state, "lr": lr[0]}
+
+
+def _shard(layout, tensors: list, mesh):
+    """This rank's shard of the flat `layout` makes of `tensors` (whole, in its order), as the
+    DTensor of the whole flat that a sharded checkpoint hands `flat_state.set_state_dict`."""
+    local = layout.flatten(tensors, torch.float32)[layout.shard_slice][:layout.valid(mesh.shard_rank)]
+    return as_dtensor(local, mesh.shard_device_mesh(), tuple(mesh.placements()), (layout.numel,))
