@@ -625,8 +625,10 @@ class TorchFSDP(Strategy):
     def cross_entropy_sum(self, logits, targets):
         if not self.tensor_parallel:
             return super().cross_entropy_sum(logits, targets)
-        # inside loss_context: PyTorch's loss_parallel takes the DTensor logits cut by vocabulary
-        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").to_local()
+        # inside loss_context: PyTorch's loss_parallel takes the DTensor logits cut by vocabulary. The local
+        # tensor is a view: under --pp_size it is the output of the stage FSDP2 wraps, which warns of views
+        # (an in-place op on one would skip its pre-backward hook), so a copy of it, one number.
+        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").to_local().clone()
 
     def loss_context(self):
         if not self.tensor_parallel:
