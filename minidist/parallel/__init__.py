@@ -35,7 +35,7 @@
     12  pipeline/        pipeline parallelism: the model cut by depth into stages, micro-batches
                          streamed through them
         pipeline/stages.py     the cut (the balance rule), and what each stage computes for itself
-        pipeline/p2p.py        activations forward and their gradients back, by isend / irecv
+        pipeline/p2p.py        activations forward and their gradients back, a send posted with the next receive
         pipeline/schedules.py  GPipe and 1F1B as plain lists of actions per rank
         pipeline/executor.py   one executor for any list, which refuses one that would deadlock
 

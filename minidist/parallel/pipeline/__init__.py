@@ -10,9 +10,10 @@ pipeline across nodes. The price is the bubble: the first stage waits for nothin
 the last waits for p - 1 forwards, and the first waits at the end for p - 1 backwards.
 
 Read in this order: `stages.py` (where the model is cut, and what each stage computes),
-`p2p.py` (what crosses a cut, and how its shape is known), `schedules.py` (GPipe and 1F1B as
-plain lists of actions), `executor.py` (one loop that runs any such list, after checking that it
-cannot deadlock), `bubble.py` (the idle time, measured from the executor's timeline), then
+`p2p.py` (what crosses a cut, how its shape is known, and which sends and receives are posted
+together, as NCCL needs), `schedules.py` (GPipe and 1F1B as plain lists of actions), `executor.py`
+(one loop that runs any such list, after checking that it cannot deadlock, on gloo's rule and on
+NCCL's), `bubble.py` (the idle time, measured from the executor's timeline), then
 `loop.py` (what the training loop does differently under `--pp_size`), `generate.py` (greedy
 decoding through the stages, for the legal-move rate) and `reference.py` (PyTorch's own
 `torch.distributed.pipelining` around the same stages, `--impl torch`). Nothing is imported
