@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from interrupted import few_games, interrupt_with_torchrun, wait_for_pauses  # noqa: F401 (wait_for_pauses: for the tests below)
+from train_workers import run_finetunes
 
 from minidist import finetune
 from minidist.checkpoint import preemption, state
-from minidist.runtime.distributed import cleanup, init_distributed
-from minidist.runtime.launch import launch
 from minidist.hf.models import load_model, load_tokenizer, write_tiny_llama
 from minidist.parallel.options import ParallelOptions
 from minidist.parallel.strategy import get_strategy
-from interrupted import few_games, interrupt_with_torchrun, wait_for_pauses  # noqa: F401 (wait_for_pauses: for the tests below)
-from train_workers import run_finetune, run_finetunes
+from minidist.runtime.distributed import cleanup, init_distributed
+from minidist.runtime.launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 # How each strategy's first run ends, and the checkpoint form it writes. Every run saves at
@@ -60,12 +60,33 @@ def metrics_steps(out: Path) -> list:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def saved_by(out: Path, checkpoint: str) -> int:
+    """The world size that wrote `checkpoint` in `out`."""
+    return json.loads((out / checkpoint / "checkpoint.json").read_text())["world_size"]
+
+
+# The runs that resume FSDP's sharded checkpoint at another world size, 2 ranks -> 4 -> 2
+# (test_a_sharded_checkpoint_resumes_at_another_world_size), by implementation.
+ELSEWHERE = ("torch", "minidist")
+
+
+def elsewhere_args(model, games, out, impl, world_size):
+    """4 ranks resume the 2-rank run's checkpoint-4 (a global batch of 4 at 1 per rank); then 2 ranks
+    resume the 4-rank run's checkpoint-6."""
+    if world_size == 4:
+        return finetune_args(model, games, out, impl, "fsdp", "--batch_size_per_device", "1",
+                             "--resume", str(out / "checkpoint-4"), "--save_steps", "2")
+    return finetune_args(model, games, out, impl, "fsdp", "--resume", str(out / "checkpoint-6"), "--save_steps", "2")
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model, games, tmp_path_factory):
-    """Per strategy, computed once: the uninterrupted run, and the interrupted-then-resumed one.
+    """Per strategy, computed once: the uninterrupted run, and the interrupted-then-resumed one;
+    for FSDP, also the runs resumed at another world size (key (impl, "elsewhere")).
 
     All the uninterrupted runs share one launch, and so do all the resumed ones (one after the
-    other in the same two ranks): starting the ranks costs more than 8 steps of the tiny model."""
+    other in the same two ranks), the 2-rank resumes at another world size included: starting the
+    ranks costs more than 8 steps of the tiny model."""
     cache = {}
 
     def run_all():
@@ -84,9 +105,22 @@ def runs(tiny_model, games, tmp_path_factory):
             first["folders"] = sorted(p.name for p in out.glob("checkpoint-*"))
             first["metrics_steps"] = metrics_steps(out)
             cache[(impl, strategy)] = {"reference": reference, "first": first, "out": out, "form": form}
-        resumed = launch(run_finetunes, 2, [argvs[case] + ["--resume"] for case in CASES], timeout_s=600)[0]
+        # At another world size: from a copy of checkpoint-4 alone (no metrics.jsonl), 4 ranks, then 2 ranks.
+        elsewhere = {impl: tmp_path_factory.mktemp(f"{impl}-elsewhere") / "out" for impl in ELSEWHERE}
+        for impl, out in elsewhere.items():
+            shutil.copytree(cache[(impl, "fsdp")]["out"] / "checkpoint-4", out / "checkpoint-4")
+        four = launch(run_finetunes, 4, [elsewhere_args(tiny_model, games, out, impl, 4) for impl, out in elsewhere.items()],
+                      timeout_s=600)[0]
+        for (impl, out), result in zip(elsewhere.items(), four):  # what the 4 ranks left, before the 2 resume
+            cache[(impl, "elsewhere")] = {"out": out, "four": result, "saved_by": saved_by(out, "checkpoint-6"),
+                                          "after_four": sorted(p.name for p in out.glob("checkpoint-*"))}
+        resumed = launch(run_finetunes, 2, [argvs[case] + ["--resume"] for case in CASES]
+                         + [elsewhere_args(tiny_model, games, out, impl, 2) for impl, out in elsewhere.items()],
+                         timeout_s=600)[0]
         for case, result in zip(CASES, resumed):
             cache[case]["resumed"] = result
+        for impl, result in zip(ELSEWHERE, resumed[len(CASES):]):
+            cache[(impl, "elsewhere")]["two"] = result
 
     def get(impl, strategy):
         if not cache:
@@ -137,7 +171,7 @@ def test_a_run_killed_by_a_signal_resumes_bitwise(runs, impl, strategy):
 
 
 @pytest.mark.parametrize("impl", ["torch", "minidist"])
-def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, games, tmp_path, impl):
+def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, impl):
     """2 ranks -> 4 -> 2 with the same global batch of 4: DCP reads each rank's slices (FSDP2's
     tensors, or minidist's flat shards, cut into other slices on 4 ranks than on 2).
 
@@ -145,18 +179,12 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, tiny_model, ga
     must match the uninterrupted 2-rank run to 1e-5, which also shows each resume read the right
     next batch (another batch changes the loss in the second decimal), and the weights to 1% of
     one step, the tolerance of the parity tests in test_finetune.py."""
-    run = runs(impl, "fsdp")
-    out = tmp_path / "out"
-    shutil.copytree(run["out"] / "checkpoint-4", out / "checkpoint-4")  # nothing else: no metrics.jsonl
-    four_args = finetune_args(tiny_model, games, out, impl, "fsdp", "--batch_size_per_device", "1",
-                              "--resume", str(out / "checkpoint-4"), "--save_steps", "2")
-    four = launch(run_finetune, 4, four_args, timeout_s=300)[0]
-    assert json.loads((out / "checkpoint-6" / "checkpoint.json").read_text())["world_size"] == 4
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]  # kept 2
-    # From step 6 again, while latest names step 8: saving step 8 replaces the 4-rank one.
-    two = launch(run_finetune, 2, finetune_args(tiny_model, games, out, impl, "fsdp", "--resume",
-                                                str(out / "checkpoint-6"), "--save_steps", "2"), timeout_s=300)[0]
-    assert json.loads((out / "checkpoint-8" / "checkpoint.json").read_text())["world_size"] == 2
+    run, elsewhere = runs(impl, "fsdp"), runs(impl, "elsewhere")  # the runs, in the fixture's shared launches
+    out, four, two = elsewhere["out"], elsewhere["four"], elsewhere["two"]
+    assert elsewhere["saved_by"] == 4
+    assert elsewhere["after_four"] == ["checkpoint-6", "checkpoint-8"]  # kept 2
+    # From step 6 again, while latest names step 8: saving step 8 replaced the 4-rank one.
+    assert saved_by(out, "checkpoint-8") == 2
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-6", "checkpoint-8"]
     reference = run["reference"]
     assert four["losses"][:4] == reference["losses"][:4] == two["losses"][:4]  # from the checkpoints' metrics
