@@ -89,12 +89,12 @@ def send(tensor: torch.Tensor, dst: int, group=None) -> dist.P2POp:
     """The operation that sends `tensor` (contiguous) to rank `dst` (of `group`), for `post` to
     start. The caller keeps `tensor` alive until its work is done: the send reads it in the background."""
     comm.counter.add(1, tensor.numel() * tensor.element_size(), 1)
-    return dist.P2POp(dist.isend, tensor, group=group, group_peer=dst)
+    return dist.P2POp(dist.isend, tensor, _global(group, dst), group=group)
 
 
 def recv(buffer: torch.Tensor, src: int, group=None) -> dist.P2POp:
     """The operation that receives into `buffer` from rank `src` (of `group`), for `post` to start."""
-    return dist.P2POp(dist.irecv, buffer, group=group, group_peer=src)
+    return dist.P2POp(dist.irecv, buffer, _global(group, src), group=group)
 
 
 def post(ops: list[dist.P2POp], batched: bool = True) -> list:
@@ -102,8 +102,13 @@ def post(ops: list[dist.P2POp], batched: bool = True) -> list:
     (`batch_isend_irecv`: on NCCL one group call, on gloo each in turn); else each alone."""
     if batched:
         return dist.batch_isend_irecv(ops)
-    return [dist.isend(op.tensor, group=op.group, group_dst=op.group_peer) if op.op is dist.isend
-            else dist.irecv(op.tensor, group=op.group, group_src=op.group_peer) for op in ops]
+    return [op.op(op.tensor, op.peer, group=op.group) for op in ops]
+
+
+def _global(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank`: `P2POp` takes a global rank on every PyTorch this
+    project runs on (a group's own rank, `group_peer`, only on recent ones)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 def activation_shape(batch: dict, hidden_size: int) -> tuple:
