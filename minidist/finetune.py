@@ -289,9 +289,6 @@ def _check(args, env, session: Session):
             if skipped and env.is_main:
                 print(f"--illegal_games skip: skipped {skipped} of {skipped + len(texts)} games of {args.data} "
                       f"(not legal chess)")
-        if args.tp_size > 1 and args.impl == "torch" and (args.save_steps or args.resume):
-            raise ValueError("checkpoints of PyTorch's tensor parallelism (--impl torch --tp_size) are not built yet: "
-                             "drop --save_steps and --resume, or use --impl minidist (the final model is written)")
         if args.pp_size > 1:
             _check_pipeline(args, lora_options)
         if args.impl == "torch" and args.sequence_parallel and args.eval_prefixes:
@@ -321,13 +318,12 @@ def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
     """What pipeline parallelism does not do yet, each in one line (a ValueError)."""
     if lora.enabled(lora_options):
         raise ValueError("LoRA with --pp_size has not been built: use one or the other")
-    if args.save_steps or args.resume:  # pipeline/checkpoint.py: minidist DDP (with --tp_size too), ZeRO-1, FSDP2
-        built = ((args.impl == "minidist" and (args.strategy == "ddp" or (args.tp_size == 1 and args.strategy == "zero1")))
-                 or (args.impl == "torch" and args.strategy == "fsdp" and args.tp_size == 1))
-        if not built:
-            raise ValueError("checkpoints of a pipeline (--pp_size) are built for --impl minidist --strategy ddp (with "
-                             "--tp_size too) and zero1, and --impl torch --strategy fsdp, zero1 and fsdp without "
-                             "--tp_size: drop --save_steps and --resume for the others (the final model is written)")
+    # pipeline/checkpoint.py: every strategy a pipeline composes with, except the flats of ZeRO and FSDP by hand
+    # with --tp_size (a stage's flats of slices: neither the pipeline's nor tensor parallelism's code cuts them)
+    if (args.save_steps or args.resume) and args.impl == "minidist" and args.strategy != "ddp" and args.tp_size > 1:
+        raise ValueError(f"checkpoints of --pp_size with --tp_size have not been built for --impl minidist --strategy "
+                         f"{args.strategy}: drop --save_steps and --resume (the final model is written), or use "
+                         f"--strategy ddp or --impl torch")
 
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):

@@ -157,20 +157,14 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.reductions = Reductions(replicate_group if self.replicate_size > 1 else None,
                                      SideStream(device, priority=0) if self.replicate_size > 1 else None)
         self.unsharded = self.max_unsharded = 0
-        # The wrap policy: outermost modules of the given classes, in registration order.
-        unit_modules = {}
-        for name, m in module.named_modules():
-            if type(m).__name__ in unit_classes and not any(name.startswith(u + ".") for u in unit_modules):
-                unit_modules[name] = m
-        claimed = {id(m) for m in unit_modules.values()}
-        slots = [_slots(m, name + ".", claimed) for name, m in unit_modules.items()] + [_slots(module, "", claimed)]
+        unit_modules, slots = wrap_units(module, unit_classes)
         owner = {}
         for i, unit_slots in enumerate(slots):  # a weight tied across two units would be sharded twice
             for _, _, name, p in unit_slots:
                 if owner.setdefault(id(p), i) != i:
                     raise ValueError(f"{name} is shared by two FSDP units; tie weights within one unit "
                                      "(or use --no_layer_wrap_policy)")
-        self.layer_units = [Unit(self, m, s, device) for m, s in zip(unit_modules.values(), slots)]
+        self.layer_units = [Unit(self, m, s, device) for m, s in zip(unit_modules, slots)]
         self.root = Unit(self, module, slots[-1], device)
         self.units = self.layer_units + [self.root]
         for u in self.layer_units:
@@ -331,6 +325,19 @@ def _flat(layout, shard, slots) -> Flat:
     for _, _, name, k in slots:
         names[k].append(name)  # a tied weight: each of its names
     return Flat(layout, shard, [tuple(n) for n in names])
+
+
+def wrap_units(module: nn.Module, unit_classes) -> tuple[list, list]:
+    """The wrap policy: the outermost modules of the given classes, in registration order, and the
+    slots (`_slots`) of each, then the root's (the rest). It reads the module only, so a pipeline's
+    full checkpoint can lay out the units a run without a pipeline makes (`pipeline/checkpoint.run_units`)."""
+    unit_modules = {}
+    for name, m in module.named_modules():
+        if type(m).__name__ in unit_classes and not any(name.startswith(u + ".") for u in unit_modules):
+            unit_modules[name] = m
+    claimed = {id(m) for m in unit_modules.values()}
+    slots = [_slots(m, name + ".", claimed) for name, m in unit_modules.items()] + [_slots(module, "", claimed)]
+    return list(unit_modules.values()), slots
 
 
 def _slots(module: nn.Module, prefix: str, claimed: set) -> list:

@@ -422,16 +422,17 @@ class ShardedByHand(Strategy):
             if full:
                 return checkpoint.whole_flats(model, model_sd, optim_sd, self._split, self.mesh)
             optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
-        if self.pipeline:  # ZeRO-1 (finetune refuses FSDP): each stage's flats, its layout noted; full: as pp 1 writes it
+        if self.pipeline:  # each stage's flats, its layout noted; full: as pp 1 writes it (finetune refuses it with tp)
             from minidist.parallel.pipeline import checkpoint
 
             if full:
-                return checkpoint.joined_flats(model, model_sd, optim_sd, self.mesh, self._run_buckets(model))
+                return checkpoint.joined_flats(model, model_sd, optim_sd, self.mesh, self._run_flats(model))
             optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
         return model_sd, optim_sd
 
-    def _run_buckets(self, model) -> list:
-        """The buckets ZeRO makes of the whole model without a pipeline (`pipeline/checkpoint.run_buckets`)."""
+    def _run_flats(self, model) -> list:
+        """The flats of a run without a pipeline: the buckets ZeRO makes of the whole model
+        (`pipeline/checkpoint.run_buckets`; FSDP: its units, `MinidistFSDP._run_flats`)."""
         from minidist.parallel.pipeline.checkpoint import run_buckets
 
         return run_buckets(self.model_to_save(model), self.options.value("bucket_cap_mb"))
@@ -452,7 +453,7 @@ class ShardedByHand(Strategy):
 
             if full:
                 model_state_dict, optim_state_dict = checkpoint.sharded_flats(model, model_state_dict, optim_state_dict,
-                                                                              self.mesh, self._run_buckets(model))
+                                                                              self.mesh, self._run_flats(model))
                 full = False  # each rank now holds its own shards, as from a sharded checkpoint
             else:
                 checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)
@@ -498,6 +499,13 @@ class MinidistFSDP(ShardedByHand):
         classes = wrap_policy_classes(model) if self.options.layer_wrap_policy else ()
         return FullyShardedDataParallel(model, classes, self.mp, self.env.device, self.mesh.shard_group,
                                         self.mesh.replicate_group, self.options.cpu_offload)  # HSDP: the copies
+
+    def _run_flats(self, model) -> list:
+        """The units FSDP makes of the whole model without a pipeline (`pipeline/checkpoint.run_units`)."""
+        from minidist.parallel.pipeline.checkpoint import run_units
+
+        whole = self.model_to_save(model)
+        return run_units(whole, wrap_policy_classes(whole) if self.options.layer_wrap_policy else ())
 
     def clip_grad_norm_(self, model, max_norm):
         if not self.tensor_parallel:

@@ -14,9 +14,11 @@ forms, and this module makes both out of the stages' pieces:
   all stages, as torchtitan does. One thing does overlap: the optimizer's `param_groups` (lr,
   betas, ...), which DCP writes once under one key, with one stage's list of parameter names. On
   load each stage keeps the saved hyperparameters and puts its own names back (`own_param_groups`).
-  ZeRO's flats are a stage's buckets, laid out for that stage's parameters: a checkpoint of them
-  resumes at its own layout only, which it records (`LAYOUT`) and checks (`check_layout`); a full
-  checkpoint is the way to change it.
+  ZeRO's and the hand-written FSDP's flats are a stage's buckets or units, keyed by their first
+  parameter's whole-model name (`flat_state.keyed_flats`), so the stages' keys do not collide
+  either; but they are laid out for that stage's parameters: a checkpoint of them resumes at its
+  own layout only, which it records (`LAYOUT`) and checks (`check_layout`); a full checkpoint is
+  the way to change it.
 
 - **full**: exactly what a run without a pipeline writes: the whole model's weights by name (a
   `from_pretrained` folder) and its optimizer state by parameter name, on rank 0. Each stage's
@@ -27,16 +29,19 @@ forms, and this module makes both out of the stages' pieces:
   each, with --tp_size: `tensor/checkpoint.slices_from_rank0`): so it loads at any pp size, 1
   included (the code a run without --pp_size always had), and with DDP at any tp size too.
 
-  ZeRO-1's full form is ZeRO's without a pipeline (`flat_state.py`): the weights by name and the
-  moments as whole flats, laid out in the buckets a pp 1 run makes of the whole model
-  (`run_buckets`). So each stage's flats are cut into their parameters, joined by name on rank 0
-  and laid out again in those buckets (`joined_flats`); loading cuts them into parameters, each
-  stage keeps its own and lays them out in its flats, each rank taking its shard (`sharded_flats`).
+  ZeRO-1's and the hand FSDP's full form is theirs without a pipeline (`flat_state.py`): the
+  weights by name and the moments as whole flats, laid out in the flats a pp 1 run makes of the
+  whole model: ZeRO's buckets (`run_buckets`), FSDP's units (`run_units`: a stage's layer units
+  are a pp 1 run's, but its root holds only its part of the rest). So each stage's flats are cut
+  into their parameters, joined by name on rank 0 and laid out again in those flats
+  (`joined_flats`); loading cuts them into parameters, each stage keeps its own and lays them out
+  in its flats, each rank taking its shard (`sharded_flats`).
 """
 
 import torch
 import torch.distributed as dist
 
+from minidist.parallel import fsdp
 from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats
 from minidist.parallel.pipeline.loop import join_stages
 from minidist.parallel.tensor.checkpoint import joined_over_tp, slices_from_rank0
@@ -164,12 +169,30 @@ def run_buckets(whole_model, bucket_cap_mb: float) -> list[list[tuple[str, torch
     return [[(name_of[id(t)], t.shape) for t in run] for run in pack_buckets(fp32, int(bucket_cap_mb * 2**20))]
 
 
+def run_units(whole_model, unit_classes) -> list[list[tuple[str, torch.Size]]]:
+    """The (name, shape) of each parameter of each unit that the hand-written FSDP (`fsdp.py`)
+    makes of `whole_model` (built on the meta device) without a pipeline: a unit per layer, then
+    the root, each in its flat's order (`unit.Unit`: the trainable parameters, a tied one once,
+    under its first name); a unit with none has no flat. Under a pipeline a stage's layer units are
+    these, but its root holds only the stage's part of the rest (the embedding, or the norm and
+    head), so its flats cannot be written as they are: they are cut and laid out again in these."""
+    runs = []
+    for slots in fsdp.wrap_units(whole_model, unit_classes)[1]:
+        first = {}
+        for _, _, name, p in slots:
+            if p.requires_grad:
+                first.setdefault(id(p), (name, p.shape))
+        if first:
+            runs.append(list(first.values()))
+    return runs
+
+
 def joined_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> tuple[dict, dict]:
-    """A full checkpoint of ZeRO under a pipeline, as a run without one writes it: `model_sd` and
-    `optim_sd` are what `flat_state.get_state_dict` gave each stage's data-parallel rank 0 (its
-    weights by name, and its flats' whole moments). Each flat is cut into its parameters, the stages
-    joined by name on rank 0, and the moments laid out again in the buckets a pp 1 run has
-    (`buckets`: `run_buckets`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere."""
+    """A full checkpoint of ZeRO or the hand FSDP under a pipeline, as a run without one writes it:
+    `model_sd` and `optim_sd` are what `flat_state.get_state_dict` gave each stage's data-parallel
+    rank 0 (its weights by name, and its flats' whole moments). Each flat is cut into its parameters,
+    the stages joined by name on rank 0, and the moments laid out again in the flats a pp 1 run has
+    (`buckets`: `run_buckets` or `run_units`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere."""
     holder = mesh.rank == 0
     moments = {} if holder else None
     for key, flat in keyed_flats(model) if holder else ():
