@@ -213,39 +213,50 @@ def joined_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> 
 
 
 def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> tuple[dict, dict]:
-    """A full ZeRO checkpoint of any pp size (rank 0 holds it, laid out in the buckets of a run
-    without a pipeline: `buckets`), as `flat_state.set_state_dict` loads a sharded one into this
-    rank's stage: each flat's shard of weights and moments, a DTensor of the whole flat. Rank 0
-    sends every tensor, one at a time; each rank keeps its stage's and lays them out in its flats."""
+    """A full ZeRO or FSDP checkpoint of any pp size (rank 0 holds it, laid out in the flats of a
+    run without a pipeline: `buckets`), as `flat_state.set_state_dict` loads a sharded one into this
+    rank's stage: each flat's shard of weights and moments, a DTensor of the whole flat.
+
+    Rank 0 sends a pp 1 flat's tensors at a time, each one to every rank (`slices_from_rank0`); each
+    rank keeps its stage's, and as soon as one of its own flats has all its parameters it keeps its
+    shard of them and lets the whole tensors go. So a rank holds whole only the flats not yet
+    complete (FSDP: one layer unit, then the root's pieces; ZeRO: a bucket or two, the two runs'
+    bounds differing), not its whole stage (for CodeLlama-7b at pp 2: 3.4B parameters x 12 bytes of
+    weights and moments, 40 GB on every rank); rank 0 holds the whole checkpoint, as without a pipeline."""
     rank0 = dist.get_rank() == 0
-    flats = keyed_flats(model)
-    mine = {n[0] for _, flat in flats for n in flat.names}
-    whole = None
-    if rank0:  # the buckets cut into their parameters, by (name, moment)
-        whole = {}
-        for i, run in enumerate(buckets):
-            saved = optim_sd["flats"][f"flat{i}.{run[0][0]}"]
-            for m in MOMENTS:
-                whole.update({(name, m): t.view(shape) for (name, shape), t
-                              in zip(run, saved[m].split([shape.numel() for _, shape in run]))})
-            whole.update({(name, "step"): saved["step"] for name, _ in run})
-    keep = {"wanted": lambda key: key in mine, "cut_of": lambda key: None}
-    weights = slices_from_rank0(model_sd if rank0 else None, group=None, tp_group=None, **keep)
-    keep["wanted"] = lambda key: key[0] in mine
-    moments = slices_from_rank0(whole, group=None, tp_group=None, **keep)
+    todo = keyed_flats(model)
+    mine = {n[0] for _, flat in todo for n in flat.names}
     lr = [optim_sd["lr"] if rank0 else None]
     dist.broadcast_object_list(lr, src=0)
-    model_sd, state = {}, {}
-    for key, flat in flats:
-        names = [n[0] for n in flat.names]
-        model_sd[key] = _shard(flat.layout, [weights[name] for name in names], mesh)
-        state[key] = {"step": moments[names[0], "step"],
-                      **{m: _shard(flat.layout, [moments[name, m] for name in names], mesh) for m in MOMENTS}}
-    return model_sd, {"flats": state, "lr": lr[0]}
+    held, model_sd_out, state = {}, {}, {}
+    for i, run in enumerate(buckets):
+        sent = _run_tensors(run, model_sd, optim_sd["flats"][f"flat{i}.{run[0][0]}"]) if rank0 else None
+        held.update(slices_from_rank0(sent, lambda key: None, None, None, wanted=lambda key: key[0] in mine))
+        complete = [(key, flat) for key, flat in todo if all((n[0], "weight") in held for n in flat.names)]
+        for key, flat in complete:
+            whole = {part: [held.pop((n[0], part)) for n in flat.names] for part in ("weight", "step", *MOMENTS)}
+            model_sd_out[key] = _shard(flat.layout, whole["weight"], mesh)
+            state[key] = {"step": whole["step"][0], **{m: _shard(flat.layout, whole[m], mesh) for m in MOMENTS}}
+            todo.remove((key, flat))
+    return model_sd_out, {"flats": state, "lr": lr[0]}
+
+
+def _run_tensors(run: list, weights: dict, saved: dict) -> dict:
+    """A pp 1 run's flat (`run`: its (name, shape)s; `saved`: its whole moments and step) cut into its
+    parameters, by (name, "weight" | "step" | moment), with their weights (`weights`, by name)."""
+    sizes = [shape.numel() for _, shape in run]
+    tensors = {}
+    for k, (name, shape) in enumerate(run):
+        tensors[name, "weight"] = weights[name]
+        tensors[name, "step"] = saved["step"]
+        for m in MOMENTS:
+            tensors[name, m] = saved[m].split(sizes)[k].view(shape)
+    return tensors
 
 
 def _shard(layout, tensors: list, mesh):
     """This rank's shard of the flat `layout` makes of `tensors` (whole, in its order), as the
     DTensor of the whole flat that a sharded checkpoint hands `flat_state.set_state_dict`."""
-    local = layout.flatten(tensors, torch.float32)[layout.shard_slice][:layout.valid(mesh.shard_rank)]
+    # a copy: a view would keep the whole padded flat alive
+    local = layout.flatten(tensors, torch.float32)[layout.shard_slice][:layout.valid(mesh.shard_rank)].clone()
     return as_dtensor(local, mesh.shard_device_mesh(), tuple(mesh.placements()), (layout.numel,))
