@@ -44,11 +44,11 @@ def _dtensor(layout, shard: torch.Tensor, mesh):
     each row cut over the data-parallel ranks as without it (`tensor/checkpoint.py` says why)."""
     from torch.distributed.tensor import Shard
 
-    from minidist.runtime.distributed import device_mesh
+    from minidist.parallel.tensor.checkpoint import stage_grid  # under a pipeline: the stage's own grid
 
     local = shard.detach()[:layout.valid(mesh.shard_rank)]
     if mesh.tp_size > 1:
-        grid = device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
+        grid = stage_grid(mesh)
         return as_dtensor(local.view(1, -1), grid, (Shard(1), Shard(0)), (mesh.tp_size, layout.numel))
     return as_dtensor(local, mesh.shard_device_mesh(), tuple(mesh.placements()), (layout.numel,))
 

@@ -440,6 +440,11 @@ class ShardedByHand(Strategy):
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
         from minidist.parallel import flat_state
 
+        if full and self.tensor_parallel and self.pipeline:  # finetune refuses saving one: this one comes from elsewhere
+            from minidist.runtime.errors import UsageError
+
+            raise UsageError("a full checkpoint does not load into the hand-written FSDP under both --pp_size and "
+                             "--tp_size yet: resume it without one of them, or from a sharded one")
         if self.tensor_parallel:  # full: rank 0's whole state cut into each slice's; sharded: the same layout
             from minidist.parallel.tensor import checkpoint
 

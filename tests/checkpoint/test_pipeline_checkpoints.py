@@ -12,9 +12,10 @@ ZeRO-1, whose full checkpoint lays the moments out in the buckets of a run witho
 PyTorch's FSDP2: a pp 2 checkpoint, the stages joined, resumes at pp 1. The hand-written FSDP (pp 2
 x 2 data-parallel ranks): sharded, bitwise; full, its stages' units laid out again as a pp 1 run's,
 resumed at pp 1 and at pp 2. PyTorch's pp 2 x tp 2 x FSDP2 1: sharded, bitwise; full, resumed at pp
-1 x tp 2, saved there at step 3 and resumed from that at pp 2 x tp 2. A sharded ZeRO-1
-checkpoint's flats are its stage's buckets: another layout is refused in one line. Only the hand
-ZeRO-1's and FSDP's with --tp_size stay refused (`finetune._check_pipeline`).
+1 x tp 2, saved there at step 3 and resumed from that at pp 2 x tp 2. The hand FSDP at pp 2 x tp 2:
+sharded, bitwise, and within 1e-5 of PyTorch's. A sharded ZeRO-1 checkpoint's flats are its
+stage's buckets: another layout is refused in one line. Only the full form of the hand FSDP under
+pp x tp stays refused (`finetune._check_pipeline`, and on load).
 
 One launch per world size, the runs one after the other (the tiny 2-layer model: pp 2 is one layer
 per stage): 2 ranks, where pp 1 runs are 2 data-parallel ranks of 1 sequence and pp 2 runs 2
@@ -125,6 +126,9 @@ def runs4(tiny_model, root, runs):
         "fsdp pp 2 x tp 2 sharded": run("fsdp-pp2-tp2-sharded", "fsdp", 2, *SAVE, **torch_tp),
         "fsdp pp 2 x tp 2 sharded resumed": run("fsdp-pp2-tp2-sharded", "fsdp", 2, *SAVE,
                                                 *resume(root, "fsdp-pp2-tp2-sharded"), **torch_tp),
+        "minidist fsdp pp 2 x tp 2 sharded": run("hfsdp-pp2-tp2-sharded", "fsdp", 2, *SAVE, tp=2),
+        "minidist fsdp pp 2 x tp 2 sharded resumed": run("hfsdp-pp2-tp2-sharded", "fsdp", 2, *SAVE,
+                                                         *resume(root, "hfsdp-pp2-tp2-sharded"), tp=2),
         # at pp 1 x tp 2 (2 data-parallel ranks), saved full at step 3 there, resumed from it at pp 2 x tp 2
         "fsdp full pp 2 x tp 2 at pp 1 x tp 2": run("fsdp-full-at-tp2", "fsdp", 1, "--save_steps", "3",
                                                     "--checkpoint_format", "full",
@@ -182,6 +186,21 @@ def test_a_full_checkpoint_of_pp_x_tp_or_fsdp_resumes_at_another_layout(runs, ru
     assert_same(every[resumed], every[reference], exact=False)
 
 
+def test_a_sharded_checkpoint_of_pp_x_tp_x_the_hand_fsdp_resumes_bitwise(runs4):
+    """Each stage's flats of slices on the stage's own (dp, tp) grid (`tensor/checkpoint.stage_grid`)."""
+    run, resumed = runs4["minidist fsdp pp 2 x tp 2 sharded"], runs4["minidist fsdp pp 2 x tp 2 sharded resumed"]
+    assert resumed["losses"][:2] == run["losses"][:2]  # the checkpoint's records
+    assert_same(resumed, run)
+    assert_same(run, runs4["fsdp pp 2 x tp 2 full"], exact=False)  # PyTorch's pp 2 x tp 2: the same training
+
+
+def test_a_full_checkpoint_into_pp_x_tp_x_the_hand_fsdp_is_refused_in_one_line():
+    from minidist.parallel.strategy import ShardedByHand
+
+    with pytest.raises(UsageError, match=r"^a full checkpoint does not load into the hand-written FSDP under both"):
+        ShardedByHand.set_state_dict(SimpleNamespace(tensor_parallel=True, pipeline=True), None, None, {}, {}, True)
+
+
 def test_a_sharded_zero1_checkpoint_of_another_layout_is_refused_in_one_line():
     check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=2, size=1))
     with pytest.raises(UsageError, match=r"written at --pp_size 2 on 1 data-parallel ranks, and this run has 4 on 1"):
@@ -198,22 +217,22 @@ def test_a_sharded_zero1_checkpoint_resumed_without_a_pipeline_is_refused_in_one
     assert "\n" not in lines[0]
 
 
-BUILT = [("minidist", "ddp", 2), ("minidist", "zero1", 1), ("minidist", "fsdp", 1), ("torch", "fsdp", 2)]
+BUILT = [("minidist", "ddp", 2, "full"), ("minidist", "zero1", 1, "full"), ("minidist", "fsdp", 1, "full"),
+         ("minidist", "fsdp", 2, "sharded"), ("torch", "fsdp", 2, "full")]
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
-def test_only_the_hand_sharded_flats_with_tp_are_refused_in_one_line(strategy):
-    """ZeRO-1's and the hand FSDP's flats of a stage with --tp_size hold slices: neither the
-    pipeline's code nor tensor parallelism's cuts them. The rest is built: each passes."""
+def test_only_full_checkpoints_of_pp_x_tp_x_the_hand_fsdp_are_refused_in_one_line():
+    """A stage's flats of slices: neither the pipeline's code nor tensor parallelism's joins them
+    (their sharded form is built). The rest is built: each passes."""
     from minidist.finetune import _check_pipeline
     from minidist.hf.lora import LoraOptions
 
-    def check(impl, strategy, tp):
-        _check_pipeline(SimpleNamespace(impl=impl, strategy=strategy, tp_size=tp, save_steps=2, resume=None),
-                        LoraOptions())
+    def check(impl, strategy, tp, form):
+        _check_pipeline(SimpleNamespace(impl=impl, strategy=strategy, tp_size=tp, checkpoint_format=form, save_steps=2,
+                                        resume=None), LoraOptions())
 
     for built in BUILT:
         check(*built)
-    with pytest.raises(ValueError, match=rf"^checkpoints of --pp_size with --tp_size have not been built for --impl "
-                                         rf"minidist --strategy {strategy}: drop --save_steps and --resume"):
-        check("minidist", strategy, 2)
+    with pytest.raises(ValueError, match=r"^full checkpoints of --pp_size with --tp_size have not been built for "
+                                         r"--impl minidist --strategy fsdp: save with --checkpoint_format sharded"):
+        check("minidist", "fsdp", 2, "full")
