@@ -44,13 +44,22 @@ def _dtensor(layout, shard: torch.Tensor, mesh):
     each row cut over the data-parallel ranks as without it (`tensor/checkpoint.py` says why)."""
     from torch.distributed.tensor import Shard
 
-    from minidist.parallel.tensor.checkpoint import stage_grid  # under a pipeline: the stage's own grid
-
     local = shard.detach()[:layout.valid(mesh.shard_rank)]
     if mesh.tp_size > 1:
         grid = stage_grid(mesh)
         return as_dtensor(local.view(1, -1), grid, (Shard(1), Shard(0)), (mesh.tp_size, layout.numel))
     return as_dtensor(local, mesh.shard_device_mesh(), tuple(mesh.placements()), (layout.numel,))
+
+
+def stage_grid(mesh):
+    """The `(dp_shard, tp)` grid of the ranks that hold this rank's keys: the run's, or under a
+    pipeline (`--pp_size`) its stage's, a sub-mesh of the `(pp, dp_shard, tp)` grid: another stage's
+    ranks hold other keys, and DCP writes each key from the grid of the ranks that hold it."""
+    from minidist.runtime.distributed import device_mesh
+
+    if mesh.pp_size > 1:
+        return mesh.grid()["dp_shard", "tp"]
+    return device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
 
 
 def as_dtensor(local: torch.Tensor, device_mesh, placements: tuple, shape):

@@ -187,7 +187,7 @@ def test_a_full_checkpoint_of_pp_x_tp_or_fsdp_resumes_at_another_layout(runs, ru
 
 
 def test_a_sharded_checkpoint_of_pp_x_tp_x_the_hand_fsdp_resumes_bitwise(runs4):
-    """Each stage's flats of slices on the stage's own (dp, tp) grid (`tensor/checkpoint.stage_grid`)."""
+    """Each stage's flats of slices on the stage's own (dp, tp) grid (`flat_state.stage_grid`)."""
     run, resumed = runs4["minidist fsdp pp 2 x tp 2 sharded"], runs4["minidist fsdp pp 2 x tp 2 sharded resumed"]
     assert resumed["losses"][:2] == run["losses"][:2]  # the checkpoint's records
     assert_same(resumed, run)

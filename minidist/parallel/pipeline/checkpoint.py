@@ -9,7 +9,7 @@ forms, and this module makes both out of the stages' pieces:
   rank that holds it (once, from one data-parallel copy) and reads it back into whichever rank asks
   for it. Under DDP a stage's tensors are whole, so another pp size simply asks for other keys: DCP
   reshards a DDP checkpoint by itself. With --tp_size they are slices, DTensors on the stage's own
-  (dp_shard, tp) grid (`tensor/checkpoint.stage_grid`), and PyTorch's FSDP2 hands out DTensors on
+  (dp_shard, tp) grid (`flat_state.stage_grid`), and PyTorch's FSDP2 hands out DTensors on
   the stage's data-parallel ranks: DCP writes each piece under the whole model's name, one folder for
   all stages, as torchtitan does. One thing does overlap: the optimizer's `param_groups` (lr,
   betas, ...), which DCP writes once under one key, with one stage's list of parameter names. On

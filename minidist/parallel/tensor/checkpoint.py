@@ -43,10 +43,9 @@ import torch
 import torch.distributed as dist
 
 from minidist.parallel.flat import collective_device
-from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats
+from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats, stage_grid
 from minidist.parallel.tensor.vocab import padded_vocab_size
 from minidist.parallel.tensor.whole import whole_weights
-from minidist.runtime.distributed import device_mesh
 from minidist.runtime.errors import UsageError
 
 LAYOUT = "tensor_parallel_layout"  # a sharded checkpoint's (tp size, data-parallel ranks)
@@ -61,15 +60,6 @@ def sliced(local: torch.Tensor, dim: int, mesh):
     shape = list(local.shape)
     shape[dim] *= mesh.tp_size
     return as_dtensor(local.detach(), stage_grid(mesh), (Replicate(), Shard(dim)), shape)
-
-
-def stage_grid(mesh):
-    """The `(dp_shard, tp)` grid of the ranks that hold this rank's keys: the run's, or under a
-    pipeline (`--pp_size`) its stage's, a sub-mesh of the `(pp, dp_shard, tp)` grid: another stage's
-    ranks hold other keys, and DCP writes each key from the grid of the ranks that hold it."""
-    if mesh.pp_size > 1:
-        return mesh.grid()["dp_shard", "tp"]
-    return device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
 
 
 def slice_of(whole: torch.Tensor, cut: tuple[int, int | None] | None, tp_group) -> torch.Tensor:
