@@ -20,8 +20,9 @@ strategy (`parallel/strategy.py`) asks this module for each:
 3. **Clipping sums over the stages.** Each stage holds different parameters: the squares of its
    gradients add up over the pipeline's ranks (`norm_groups`), as over FSDP's shards.
 4. **The whole model is the stages' parts joined** (`join_stages`): the final model, and a full
-   checkpoint of the hand-written DDP, which then loads at any pipeline size (`checkpoint.py`:
-   sharded checkpoints too, each stage's shards under the whole model's names).
+   checkpoint (every strategy here, but the hand FSDP under pp x tp), which then loads at any
+   pipeline size (`checkpoint.py`: sharded checkpoints too, each stage's shards under the whole
+   model's names).
 5. **Evaluation generates through the stages** (`generate.py`): no rank holds the whole model.
 """
 
