@@ -19,6 +19,7 @@ test_hsdp.py, test_offload.py, test_lora.py).
 import math
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from nccl_like import CollectiveMisuse, NcclLike, under
@@ -28,6 +29,28 @@ from minidist.runtime.distributed import get_env
 from minidist.runtime.launch import launch
 
 SHARD = 4
+
+
+def everything(model_dir) -> dict:
+    """Every scenario of this module, one after the other in the same 2 ranks: one start-up for all
+    (starting ranks costs more than all of them, about 5 CPU s a rank). Each harness puts back what
+    it replaced when its block ends (`as_nccl` checks it), and `planted_in_strategies` puts back
+    comm's functions in a `finally`, so that no scenario sees another's patches; it runs last all
+    the same, the one that plants bugs in real strategies. The bugs planted raise on every rank
+    alike, at the same line, so the ranks stay in step; a barrier after each scenario makes each
+    start from the same point on both."""
+    out = {}
+    for name, scenario in (("as_nccl", as_nccl), ("as_gloo", as_gloo), ("planted_bugs", planted_bugs),
+                           ("planted_in_strategies", lambda: planted_in_strategies(model_dir))):
+        out[name] = scenario()
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(tiny_model) -> list:
+    """Each rank's results of every scenario (`everything`), in one launch of 2 ranks."""
+    return launch(everything, 2, tiny_model, timeout_s=300)
 
 
 def _settle(work) -> None:
@@ -86,9 +109,9 @@ def expected_shard(n: int, rank: int) -> list:
     return [float(i * total) for i in range(rank * SHARD, (rank + 1) * SHARD)]
 
 
-def test_the_harness_catches_each_planted_bug_that_gloo_lets_pass():
+def test_the_harness_catches_each_planted_bug_that_gloo_lets_pass(scenarios):
     n = 2
-    for results in launch(planted_bugs, n, timeout_s=120):
+    for results in (rank["planted_bugs"] for rank in scenarios):
         # Plain: gloo finished first, every bug gives the right numbers and nothing says otherwise.
         assert results["read", False] == (SHARD * sum(r + 1 for r in range(n)), None)
         for bug in ("written", "freed"):
@@ -154,11 +177,11 @@ def as_gloo() -> dict:
     return out
 
 
-def test_minidist_takes_its_nccl_branches_under_the_harness():
+def test_minidist_takes_its_nccl_branches_under_the_harness(scenarios):
     """comm.reduce_scatter goes to reduce_scatter_tensor (deferred: NaN until wait, then the right
     shard; the input is not freed, NCCL needs no scratch); an offloaded host shard is gathered
     through `flat.collective_device`, and a host tensor handed straight to a collective is refused."""
-    for rank, out in enumerate(launch(as_nccl, 2, timeout_s=120)):
+    for rank, out in enumerate(ranks["as_nccl"] for ranks in scenarios):
         assert out["tests_see"] == "gloo"
         assert out["handle"] == "Deferred" and out["poisoned"] and out["input_kept"], out
         assert out["shard"] == expected_shard(2, rank)
@@ -168,11 +191,11 @@ def test_minidist_takes_its_nccl_branches_under_the_harness():
         assert out["restored"]
 
 
-def test_gloos_branch_and_a_handle_never_waited_for():
+def test_gloos_branch_and_a_handle_never_waited_for(scenarios):
     """Answering "gloo", the harness defers the all-reduce that `_ShardAfter` waits for: the input
     stays poisoned until `wait()`, which gives the right shard and frees the scratch input. And
     a collective dropped without `wait()` is reported when the harness goes."""
-    for rank, out in enumerate(launch(as_gloo, 2, timeout_s=120)):
+    for rank, out in enumerate(ranks["as_gloo"] for ranks in scenarios):
         assert out["handle"] == "_ShardAfter" and out["input_poisoned"], out
         assert out["shard"] == expected_shard(2, rank) and out["input_freed"], out
         assert "1 collectives never waited for (all_reduce)" in out["dropped"]
@@ -223,10 +246,10 @@ def planted_in_strategies(model_dir) -> dict:
     return out
 
 
-def test_the_harness_catches_bugs_planted_in_zero2_and_fsdp(tiny_model):
+def test_the_harness_catches_bugs_planted_in_zero2_and_fsdp(scenarios):
     """ZeRO-2's bucket written while in flight: named at `wait()`. FSDP's weights used before
     their all-gather completed: the loss is NaN, and the forgotten collectives are reported."""
-    for rank in launch(planted_in_strategies, 2, tiny_model, timeout_s=180):
+    for rank in (ranks["planted_in_strategies"] for ranks in scenarios):
         loss, error = rank["written"]
         assert "reduce_scatter_tensor: an input was written before the collective completed" in error, rank
         loss, error = rank["read"]
