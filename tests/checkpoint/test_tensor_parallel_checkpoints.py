@@ -2,10 +2,11 @@
 
 Sharded: a run saved at step 2 and resumed from there, at the same layout, ends bitwise where an
 uninterrupted run ends (the losses of steps 3 and 4, every final weight), for the hand-written DDP
-and FSDP over a 2 x 2 grid (data-parallel 2, tp 2). Full: the checkpoint of a tp 2 run
-holds whole weights and moments, so it resumes at tp 1 (a run without --tp_size, the code it always
-had) and at tp 4, within 1e-5 of the uninterrupted run (not bitwise: other tp sizes sum the
-slices' partial products in another order).
+and FSDP over a 2 x 2 grid (data-parallel 2, tp 2), and PyTorch's FSDP2 x tensor parallelism (with
+and without sequence parallelism). Full: the checkpoint of a tp 2 run holds whole weights and
+moments, so it resumes at tp 1 (a run without --tp_size, the code it always had) and at tp 4, within
+1e-5 of the uninterrupted run (not bitwise: other tp sizes sum the slices' partial products in
+another order); PyTorch's at tp 1.
 
 The runs go through the loop (`train_workers.run_finetunes`), all in one launch of 4 ranks, one
 after the other: starting the ranks costs more than the 4 steps of the tiny model.
@@ -59,6 +60,16 @@ def runs(tiny_model, tmp_path_factory):
         for tp, per_rank in ((4, 4), (1, 1)):
             batch[f"{strategy} tp {tp}"] = args(tiny_model, games, root / f"{strategy}-tp{tp}", strategy, tp, per_rank,
                                                 *resume(f"{strategy}-full"))
+    # PyTorch's tensor parallelism under FSDP2 (`--impl torch`, a later --impl wins): its checkpoints are PyTorch's
+    # own helpers (DCP, full state dicts) on DTensors, sharded with and without sequence parallelism, and full.
+    torch_tp = ("--impl", "torch")
+    batch["torch full"] = args(tiny_model, games, root / "torch-full", "fsdp", 2, 2, *FULL, *torch_tp)
+    for name, extra in (("torch sharded", ()), ("torch sp sharded", ("--sequence_parallel",))):
+        out = root / name.replace(" ", "-")
+        batch[name] = args(tiny_model, games, out, "fsdp", 2, 2, *SAVE, *torch_tp, *extra)
+        batch[f"{name} resumed"] = args(tiny_model, games, out, "fsdp", 2, 2, *SAVE, *torch_tp, *extra,
+                                        *resume(out.name))
+    batch["torch tp 1"] = args(tiny_model, games, root / "torch-tp1", "fsdp", 1, 1, *torch_tp, *resume("torch-full"))
     # Last, on the same ranks: FSDP's sharded tp 2 checkpoint resumed at tp 4, which DCP's planner refuses.
     refused = args(tiny_model, games, root / "fsdp-at-tp4", "fsdp", 4, 4, *resume("fsdp-sharded"))
     by_rank = launch(run_finetunes_then_refusal, 4, list(batch.values()), refused, timeout_s=600)
@@ -81,11 +92,21 @@ def assert_same(run, reference, exact=True):
             torch.testing.assert_close(run["parameters"][name], tensor, rtol=1e-5, atol=3e-5, msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "torch"])
 def test_a_sharded_checkpoint_resumes_bitwise_at_the_same_layout(runs, strategy):
     reference = runs[f"{strategy} full"]  # uninterrupted (its saves only read the state)
     assert_same(runs[f"{strategy} sharded"], reference)
     assert_same(runs[f"{strategy} sharded resumed"], reference)
+
+
+def test_pytorchs_sharded_checkpoint_under_sequence_parallelism_resumes_bitwise(runs):
+    assert_same(runs["torch sp sharded resumed"], runs["torch sp sharded"])  # that one ran uninterrupted
+
+
+def test_pytorchs_full_checkpoint_of_tp_2_resumes_without_tensor_parallelism(runs):
+    resumed, reference = runs["torch tp 1"], runs["torch full"]
+    assert resumed["losses"][:2] == reference["losses"][:2]  # the checkpoint's own records
+    assert_same(resumed, reference, exact=False)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
