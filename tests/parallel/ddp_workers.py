@@ -8,6 +8,21 @@ from minidist.parallel import comm
 from minidist.runtime.distributed import get_env
 
 
+def run_cases(cases) -> dict:
+    """Several cases, one after the other in the same ranks: one start-up for all of them (starting
+    a rank costs about 5 CPU s, more than any case here). `cases` is [(key, worker function, its
+    arguments)]; returns {key: what the function returned}. Between two cases every rank waits for
+    the others (a barrier) and the byte counter (`comm.counter`) starts again from zero, as in a
+    fresh rank: a case that counts bytes counts only its own. Each case seeds its own generators;
+    the one that patches `comm.all_reduce` (`overlap_order`) puts it back."""
+    out = {}
+    for key, fn, args in cases:
+        comm.counter.reset()
+        out[key] = fn(*args)
+        dist.barrier()
+    return out
+
+
 def ring_against_library(sizes):
     """For each size: the hand-written ring all-reduce and dist.all_reduce on the same tensors."""
     env = get_env()
@@ -73,11 +88,12 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
     Rank 0 keeps the weights in `model_dir`; the other ranks add noise to theirs before wrapping,
     so only the broadcast at wrap time can make the runs agree with the reference.
     """
+    from nccl_like import under
+
     from minidist import batches
     from minidist.chess import jsonl
     from minidist.chess.games import bundled_games
     from minidist.hf import models
-    from nccl_like import under
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
@@ -95,10 +111,11 @@ def ddp_parity(model_dir, micro_batch, accum, steps, seq_len, lr, frozen, bucket
 
 def _train_ddp(model_dir, variant, dtype, tokenizer, sequences, sampler, micro_batch, steps, lr, frozen, bucket_cap_mb):
     """One of `ddp_parity`'s runs: what the test checks."""
+    from train_workers import train_steps
+
     from minidist.hf import models
     from minidist.parallel.options import ParallelOptions
     from minidist.parallel.strategy import get_strategy
-    from train_workers import train_steps
 
     env = get_env()
     torch.manual_seed(env.rank)
@@ -139,8 +156,11 @@ def overlap_order(model_dir, bucket_cap_mb):
         return launch(*args, **kwargs)
 
     comm.all_reduce = counting_all_reduce
-    ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(env.rank))
-    wrapped(input_ids=ids, use_cache=False).logits.sum().backward()
+    try:
+        ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(env.rank))
+        wrapped(input_ids=ids, use_cache=False).logits.sum().backward()
+    finally:  # the ranks may run other cases after this one (`run_cases`)
+        comm.all_reduce = launch
     return {"order": order, "num_buckets": len(wrapped.buckets)}
 
 

@@ -2,17 +2,33 @@
 
 import pytest
 import torch
+from ddp_workers import collectives_and_their_counts, ring_against_library, run_cases, scratch_reduce_scatter
 
 from minidist.runtime.launch import launch
-from ddp_workers import collectives_and_their_counts, ring_against_library, scratch_reduce_scatter
 
 # Sizes that N does not divide, and sizes smaller than N (some ranks get an empty chunk).
 SIZES = [1, 2, 5, 7, 1001, 4099]
+RING, COUNTS, SCRATCH = [2, 3, 4], [2, 4], [2, 3]  # the world sizes of each test below
+COUNTS_SHARD, SCRATCH_SHARD = 3, 1000
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_ring_all_reduce_equals_the_library_call(world):
-    all_results = launch(ring_against_library, world, SIZES, timeout_s=120)
+@pytest.fixture(scope="module")
+def launches():
+    """Every case of this module, in one launch per world size (`ddp_workers.run_cases`, which
+    starts the byte counter again before each): {world: each rank's {case: result}}."""
+    out = {}
+    for world in sorted(set(RING + COUNTS + SCRATCH)):
+        cases = [(name, fn, args) for name, fn, args, worlds in (
+            ("ring", ring_against_library, (SIZES,), RING),
+            ("counts", collectives_and_their_counts, (COUNTS_SHARD,), COUNTS),
+            ("scratch", scratch_reduce_scatter, (SCRATCH_SHARD,), SCRATCH)) if world in worlds]
+        out[world] = launch(run_cases, world, cases, timeout_s=300)
+    return out
+
+
+@pytest.mark.parametrize("world", RING)
+def test_the_ring_all_reduce_equals_the_library_call(launches, world):
+    all_results = [rank["ring"] for rank in launches[world]]
     for rank, results in enumerate(all_results):
         for r in results:
             # Integers add exactly in any order: the ring must give the very same numbers.
@@ -25,10 +41,10 @@ def test_the_ring_all_reduce_equals_the_library_call(world):
         assert total == 2 * (world - 1) * size * 8
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_reduce_scatter_and_all_gather_and_their_byte_counts(world):
-    shard_size = 3
-    results = launch(collectives_and_their_counts, world, shard_size, timeout_s=120)
+@pytest.mark.parametrize("world", COUNTS)
+def test_reduce_scatter_and_all_gather_and_their_byte_counts(launches, world):
+    shard_size = COUNTS_SHARD
+    results = [rank["counts"] for rank in launches[world]]
     full = torch.arange(world * shard_size, dtype=torch.float32)
     total = full * sum(range(1, world + 1))  # rank r contributed (r + 1) x full
     for rank, r in enumerate(results):
@@ -40,13 +56,13 @@ def test_reduce_scatter_and_all_gather_and_their_byte_counts(world):
         assert r["ar_bytes"] == 2 * (world - 1) * nbytes / world
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_scratch_reduce_scatter_gives_the_same_shard_without_gloos_copy(world):
+@pytest.mark.parametrize("world", SCRATCH)
+def test_a_scratch_reduce_scatter_gives_the_same_shard_without_gloos_copy(launches, world):
     """PyTorch's gloo reduce-scatter all-reduces a copy of its input; ZeRO-2's and FSDP's inputs
     are scratch, which `input_is_scratch` all-reduces in place instead: the same shard, and
     nothing alive during the call but the input and the output, as under NCCL."""
-    shard_size = 1000
-    results = launch(scratch_reduce_scatter, world, shard_size, timeout_s=120)
+    shard_size = SCRATCH_SHARD
+    results = [rank["scratch"] for rank in launches[world]]
     total = torch.arange(world * shard_size, dtype=torch.float32) * sum(range(1, world + 1))
     for rank, r in enumerate(results):
         for scratch in (False, True):

@@ -9,11 +9,11 @@ also under the NCCL-like harness (`tests/nccl_like.py`), where it must be the pl
 
 import pytest
 import torch
+from ddp_workers import ddp_parity, overlap_order, run_cases, unused_parameter_is_named
+from reference import train_reference
 
 from minidist.hf import models
 from minidist.runtime.launch import launch
-from ddp_workers import ddp_parity, overlap_order, unused_parameter_is_named
-from reference import train_reference
 
 GLOBAL_BATCH, STEPS, SEQ, LR = 16, 5, 48, 3e-3
 FROZEN = "model.layers.0.self_attn.q_proj.weight"
@@ -45,13 +45,29 @@ def references(tied_model):
 TOLERANCES = {"torch.float32": (1e-5, 1e-5, LR / 50), "torch.float64": (1e-10, 1e-10, 1e-10)}
 
 
-@pytest.mark.parametrize("world,accum", [(2, 1), (2, 4), (4, 1), (4, 4)])
-def test_ddp_matches_one_process_and_sends_two_p_per_step(tied_model, references, world, accum):
-    micro_batch = GLOBAL_BATCH // (world * accum)
-    ranks = launch(ddp_parity, world, tied_model, micro_batch, accum, STEPS, SEQ, LR, FROZEN, BUCKET_CAP_MB,
-                   timeout_s=300)
+PARITY = [(2, 1), (2, 4), (4, 1), (4, 4)]  # (world size, accumulation steps)
+
+
+@pytest.fixture(scope="module")
+def launches(tied_model):
+    """Every case of this module, in one launch per world size (`ddp_workers.run_cases`): on 2 ranks
+    the parity runs of 2 ranks, the overlap order and the unused parameter; on 4 the parity runs of
+    4. {world: each rank's {case: result}}."""
+    out = {}
+    for world in sorted({w for w, _ in PARITY}):
+        cases = [(("parity", accum), ddp_parity, (tied_model, GLOBAL_BATCH // (world * accum), accum, STEPS, SEQ, LR,
+                                                  FROZEN, BUCKET_CAP_MB)) for w, accum in PARITY if w == world]
+        if world == 2:
+            cases += [("overlap", overlap_order, (tied_model, BUCKET_CAP_MB)), ("unused", unused_parameter_is_named, ())]
+        out[world] = launch(run_cases, world, cases, timeout_s=600)
+    return out
+
+
+@pytest.mark.parametrize("world,accum", PARITY)
+def test_ddp_matches_one_process_and_sends_two_p_per_step(tied_model, references, launches, world, accum):
+    ranks = [rank["parity", accum] for rank in launches[world]]
     frozen_before = models.load_model(tied_model).state_dict()[FROZEN]
-    for (variant, dtype), run0 in ranks[0].items():
+    for variant, dtype in ranks[0]:
         ref_losses, ref_params, trainable = references[dtype]
         loss_rtol, rtol, atol = TOLERANCES[dtype]
         runs = [r[variant, dtype] for r in ranks]
@@ -80,8 +96,8 @@ def test_ddp_matches_one_process_and_sends_two_p_per_step(tied_model, references
             assert torch.equal(got["parameters"][name], tensor), name
 
 
-def test_bucket_all_reduces_start_while_backward_still_runs(tied_model):
-    (result, _) = launch(overlap_order, 2, tied_model, BUCKET_CAP_MB, timeout_s=120)
+def test_bucket_all_reduces_start_while_backward_still_runs(launches):
+    result = launches[2][0]["overlap"]
     order = result["order"]
     assert result["num_buckets"] > 2 and order.count("all_reduce") == result["num_buckets"]
     # The first bucket went out while most gradients were still to come: communication overlaps.
@@ -89,6 +105,6 @@ def test_bucket_all_reduces_start_while_backward_still_runs(tied_model):
     assert order[first_launch:].count("grad") > order.count("grad") // 2
 
 
-def test_a_parameter_without_gradient_is_named():
-    message = launch(unused_parameter_is_named, 2, timeout_s=120)[0]
+def test_a_parameter_without_gradient_is_named(launches):
+    message = launches[2][0]["unused"]
     assert message is not None and "unused.weight" in message and "requires_grad=False" in message
