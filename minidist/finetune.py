@@ -318,13 +318,7 @@ def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
     """What pipeline parallelism does not do yet, each in one line (a ValueError)."""
     if lora.enabled(lora_options):
         raise ValueError("LoRA with --pp_size has not been built: use one or the other")
-    # pipeline/checkpoint.py: every strategy a pipeline composes with, except the full form of the hand FSDP's
-    # flats with --tp_size (a stage's flats of slices: neither the pipeline's nor tensor parallelism's code joins them)
-    if (args.save_steps or args.resume) and args.impl == "minidist" and args.strategy == "fsdp" and args.tp_size > 1 \
-            and args.checkpoint_format == "full":
-        raise ValueError("full checkpoints of --pp_size with --tp_size have not been built for --impl minidist "
-                         "--strategy fsdp: save with --checkpoint_format sharded (it resumes at its own layout), or "
-                         "drop --save_steps and --resume (the final model is written)")
+    # checkpoints: every strategy a pipeline composes with, in both forms (pipeline/checkpoint.py)
 
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):

@@ -35,7 +35,7 @@ def keyed_flats(model) -> list:
     return [(f"flat{i}.{flat.key}", flat) for i, flat in enumerate(model.flats())]
 
 
-def _dtensor(layout, shard: torch.Tensor, mesh):
+def shard_dtensor(layout, shard: torch.Tensor, mesh):
     """This rank's shard as its piece of the whole (unpadded) flat, for DCP; under HSDP placed
     (Replicate(), Shard(0)) on the 2-D mesh: DCP writes one copy and reads into every copy.
 
@@ -110,11 +110,11 @@ def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]
         if not holder:
             return {}, {}
         return weights, {"flats": optim, "lr": lr}
-    model_sd = {key: _dtensor(flat.layout, flat.shard, mesh) for key, flat in flats}
+    model_sd = {key: shard_dtensor(flat.layout, flat.shard, mesh) for key, flat in flats}
     optim = {}
     for key, flat in flats:
         state = optimizer.state[flat.shard]
-        optim[key] = {**{m: _dtensor(flat.layout, state[m], mesh) for m in MOMENTS},
+        optim[key] = {**{m: shard_dtensor(flat.layout, state[m], mesh) for m in MOMENTS},
                       "step": state["step"]}
     return model_sd, {"flats": optim, "lr": lr}
 

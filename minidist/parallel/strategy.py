@@ -420,9 +420,12 @@ class ShardedByHand(Strategy):
             from minidist.parallel.tensor import checkpoint
 
             if full:
-                return checkpoint.whole_flats(model, model_sd, optim_sd, self._split, self.mesh)
-            optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
-        if self.pipeline:  # each stage's flats, its layout noted; full: as pp 1 writes it (finetune refuses it with tp)
+                model_sd, optim_sd = checkpoint.whole_flats(model, model_sd, optim_sd, self._split, self.mesh)
+                if not self.pipeline:
+                    return model_sd, optim_sd
+            else:
+                optim_sd[checkpoint.LAYOUT] = checkpoint.layout(self.mesh)
+        if self.pipeline:  # each stage's flats, its layout noted; full: as pp 1 writes it (with tp: of whole parameters)
             from minidist.parallel.pipeline import checkpoint
 
             if full:
@@ -440,25 +443,21 @@ class ShardedByHand(Strategy):
     def set_state_dict(self, model, optimizer, model_state_dict, optim_state_dict, full):
         from minidist.parallel import flat_state
 
-        if full and self.tensor_parallel and self.pipeline:  # finetune refuses saving one: this one comes from elsewhere
-            from minidist.runtime.errors import UsageError
-
-            raise UsageError("a full checkpoint does not load into the hand-written FSDP under both --pp_size and "
-                             "--tp_size yet: resume it without one of them, or from a sharded one")
         if self.tensor_parallel:  # full: rank 0's whole state cut into each slice's; sharded: the same layout
             from minidist.parallel.tensor import checkpoint
 
-            if full:
+            if full and not self.pipeline:  # under a pipeline, sharded_flats below keeps each rank's slices
                 model_state_dict, optim_state_dict = checkpoint.sliced_flats(model, model_state_dict, optim_state_dict,
                                                                              self._split, self.mesh)
-            else:
+            elif not full:
                 checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)
         if self.pipeline:  # a stage's flats: at the layout that wrote them; full: rank 0's pp 1 flats cut into them
             from minidist.parallel.pipeline import checkpoint
 
-            if full:
+            if full:  # with --tp_size: each rank's slices of them
+                cut = self._split if self.tensor_parallel else None
                 model_state_dict, optim_state_dict = checkpoint.sharded_flats(model, model_state_dict, optim_state_dict,
-                                                                              self.mesh, self._run_flats(model))
+                                                                              self.mesh, self._run_flats(model), cut)
                 full = False  # each rank now holds its own shards, as from a sharded checkpoint
             else:
                 checkpoint.check_layout(optim_state_dict.pop(checkpoint.LAYOUT), self.mesh)

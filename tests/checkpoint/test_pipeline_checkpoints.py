@@ -13,9 +13,11 @@ PyTorch's FSDP2: a pp 2 checkpoint, the stages joined, resumes at pp 1. The hand
 x 2 data-parallel ranks): sharded, bitwise; full, its stages' units laid out again as a pp 1 run's,
 resumed at pp 1 and at pp 2. PyTorch's pp 2 x tp 2 x FSDP2 1: sharded, bitwise; full, resumed at pp
 1 x tp 2, saved there at step 3 and resumed from that at pp 2 x tp 2. The hand FSDP at pp 2 x tp 2:
-sharded, bitwise, and within 1e-5 of PyTorch's. A sharded ZeRO-1 checkpoint's flats are its
-stage's buckets: another layout is refused in one line. Only the full form of the hand FSDP under
-pp x tp stays refused (`finetune._check_pipeline`, and on load).
+sharded, bitwise, and within 1e-5 of PyTorch's; full (each stage's flats of slices joined over tp,
+then over the stages, laid out as a pp 1 x tp 1 run's units), resumed at pp 1 x tp 1 (4 data-parallel
+ranks) and at pp 2 x tp 2, both within 1e-5 (4 micro-batches: the same global batch of 4). A sharded
+ZeRO-1 checkpoint's flats are its stage's buckets: another layout is refused in one line. No
+pipeline checkpoint is refused by `finetune._check_pipeline` any more.
 
 One launch per world size, the runs one after the other (the tiny 2-layer model: pp 2 is one layer
 per stage): 2 ranks, where pp 1 runs are 2 data-parallel ranks of 1 sequence and pp 2 runs 2
@@ -100,6 +102,7 @@ def runs4(tiny_model, root, runs):
     (global batch 4)."""
     games = str(root / "games.jsonl")
     torch_tp = {"impl": "torch", "tp": 2}  # PyTorch's pp 2 x tp 2 x FSDP2 1 (global batch 2)
+    m4 = ("--gradient_accumulation_steps", "4")  # pp 2 x tp 2 with global batch 4, as pp 1 on 4 ranks
 
     def run(name, strategy, pp, *extra, impl="minidist", tp=1):
         return args(tiny_model, games, root / name, strategy, pp, *extra, impl=impl, tp=tp)
@@ -129,6 +132,12 @@ def runs4(tiny_model, root, runs):
         "minidist fsdp pp 2 x tp 2 sharded": run("hfsdp-pp2-tp2-sharded", "fsdp", 2, *SAVE, tp=2),
         "minidist fsdp pp 2 x tp 2 sharded resumed": run("hfsdp-pp2-tp2-sharded", "fsdp", 2, *SAVE,
                                                          *resume(root, "hfsdp-pp2-tp2-sharded"), tp=2),
+        # the hand FSDP's full form under pp x tp: resumed at pp 1 x tp 1 (4 data-parallel ranks) and pp 2 x tp 2
+        "minidist fsdp pp 2 x tp 2 full": run("hfsdp-pp2-tp2-full", "fsdp", 2, *FULL, *m4, tp=2),  # uninterrupted
+        "minidist fsdp full pp 2 x tp 2 at pp 1": run("hfsdp-full-tp2-at-pp1", "fsdp", 1,
+                                                      *resume(root, "hfsdp-pp2-tp2-full")),
+        "minidist fsdp full pp 2 x tp 2 at pp 2 x tp 2": run("hfsdp-full-tp2-at-pp2-tp2", "fsdp", 2, *m4,
+                                                             *resume(root, "hfsdp-pp2-tp2-full"), tp=2),
         # at pp 1 x tp 2 (2 data-parallel ranks), saved full at step 3 there, resumed from it at pp 2 x tp 2
         "fsdp full pp 2 x tp 2 at pp 1 x tp 2": run("fsdp-full-at-tp2", "fsdp", 1, "--save_steps", "3",
                                                     "--checkpoint_format", "full",
@@ -179,6 +188,11 @@ def test_a_sharded_checkpoint_of_pp_x_tp_or_fsdp_resumes_bitwise(runs4, layout):
     # PyTorch's pp x tp: the stages joined over tp and dp, loaded at pp 1 x tp 2; saved there, loaded at pp 2 x tp 2
     ("fsdp full pp 2 x tp 2 at pp 1 x tp 2", "fsdp pp 2 x tp 2 full", "fsdp pp 2 x tp 2 full"),
     ("fsdp full pp 1 x tp 2 at pp 2 x tp 2", "fsdp full pp 2 x tp 2 at pp 1 x tp 2", "fsdp pp 2 x tp 2 full"),
+    # the hand FSDP's pp x tp: each stage's flats of slices joined over tp and the stages, laid out as a pp 1 x tp 1
+    # run's units; loaded at pp 1 x tp 1 (4 data-parallel ranks) and at pp 2 x tp 2 (each rank its slices' shards)
+    ("minidist fsdp full pp 2 x tp 2 at pp 1", "minidist fsdp pp 2 x tp 2 full", "minidist fsdp pp 2 x tp 2 full"),
+    ("minidist fsdp full pp 2 x tp 2 at pp 2 x tp 2", "minidist fsdp pp 2 x tp 2 full",
+     "minidist fsdp pp 2 x tp 2 full"),
 ])
 def test_a_full_checkpoint_of_pp_x_tp_or_fsdp_resumes_at_another_layout(runs, runs4, resumed, written, reference):
     every = {**runs, **runs4}
@@ -192,13 +206,6 @@ def test_a_sharded_checkpoint_of_pp_x_tp_x_the_hand_fsdp_resumes_bitwise(runs4):
     assert resumed["losses"][:2] == run["losses"][:2]  # the checkpoint's records
     assert_same(resumed, run)
     assert_same(run, runs4["fsdp pp 2 x tp 2 full"], exact=False)  # PyTorch's pp 2 x tp 2: the same training
-
-
-def test_a_full_checkpoint_into_pp_x_tp_x_the_hand_fsdp_is_refused_in_one_line():
-    from minidist.parallel.strategy import ShardedByHand
-
-    with pytest.raises(UsageError, match=r"^a full checkpoint does not load into the hand-written FSDP under both"):
-        ShardedByHand.set_state_dict(SimpleNamespace(tensor_parallel=True, pipeline=True), None, None, {}, {}, True)
 
 
 def test_a_sharded_zero1_checkpoint_of_another_layout_is_refused_in_one_line():
@@ -218,12 +225,11 @@ def test_a_sharded_zero1_checkpoint_resumed_without_a_pipeline_is_refused_in_one
 
 
 BUILT = [("minidist", "ddp", 2, "full"), ("minidist", "zero1", 1, "full"), ("minidist", "fsdp", 1, "full"),
-         ("minidist", "fsdp", 2, "sharded"), ("torch", "fsdp", 2, "full")]
+         ("minidist", "fsdp", 2, "sharded"), ("minidist", "fsdp", 2, "full"), ("torch", "fsdp", 2, "full")]
 
 
-def test_only_full_checkpoints_of_pp_x_tp_x_the_hand_fsdp_are_refused_in_one_line():
-    """A stage's flats of slices: neither the pipeline's code nor tensor parallelism's joins them
-    (their sharded form is built). The rest is built: each passes."""
+def test_no_checkpoint_of_a_pipeline_is_refused():
+    """Every form is built, the hand FSDP's full one under pp x tp last (it was refused): each passes."""
     from minidist.finetune import _check_pipeline
     from minidist.hf.lora import LoraOptions
 
@@ -233,6 +239,3 @@ def test_only_full_checkpoints_of_pp_x_tp_x_the_hand_fsdp_are_refused_in_one_lin
 
     for built in BUILT:
         check(*built)
-    with pytest.raises(ValueError, match=r"^full checkpoints of --pp_size with --tp_size have not been built for "
-                                         r"--impl minidist --strategy fsdp: save with --checkpoint_format sharded"):
-        check("minidist", "fsdp", 2, "full")

@@ -35,14 +35,16 @@ forms, and this module makes both out of the stages' pieces:
   are a pp 1 run's, but its root holds only its part of the rest). So each stage's flats are cut
   into their parameters, joined by name on rank 0 and laid out again in those flats
   (`joined_flats`); loading cuts them into parameters, each stage keeps its own and lays them out
-  in its flats, each rank taking its shard (`sharded_flats`).
+  in its flats, each rank taking its shard (`sharded_flats`). With --tp_size a stage's FSDP flats
+  hold slices: they are joined over tp first (`tensor/checkpoint.whole_flats`), and on load each
+  rank keeps its slice of every tensor before laying out its flats.
 """
 
 import torch
 import torch.distributed as dist
 
 from minidist.parallel import fsdp
-from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats
+from minidist.parallel.flat_state import MOMENTS, keyed_flats, shard_dtensor
 from minidist.parallel.pipeline.loop import join_stages
 from minidist.parallel.tensor.checkpoint import joined_over_tp, slices_from_rank0
 from minidist.parallel.wrapper import pack_buckets
@@ -192,13 +194,19 @@ def joined_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> 
     `model_sd` and `optim_sd` are what `flat_state.get_state_dict` gave each stage's data-parallel
     rank 0 (its weights by name, and its flats' whole moments). Each flat is cut into its parameters,
     the stages joined by name on rank 0, and the moments laid out again in the flats a pp 1 run has
-    (`buckets`: `run_buckets` or `run_units`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere."""
-    holder = mesh.rank == 0
+    (`buckets`: `run_buckets` or `run_units`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere.
+
+    With --tp_size the stage's first rank (data-parallel and tp rank 0) holds what
+    `tensor/checkpoint.whole_flats` joined: whole weights, and flats of whole parameters (not of
+    its slices), so a flat is cut by the whole weights' shapes, not by its own layout's."""
+    holder = mesh.rank == 0 and (mesh.tp_group is None or dist.get_rank(mesh.tp_group) == 0)
     moments = {} if holder else None
     for key, flat in keyed_flats(model) if holder else ():
         saved, names = optim_sd["flats"][key], [n[0] for n in flat.names]
+        shapes = [model_sd[name].shape for name in names]
         for m in MOMENTS:
-            moments.update({(name, m): t for name, t in zip(names, flat.layout.views(saved[m]))})
+            pieces = saved[m].split([shape.numel() for shape in shapes])
+            moments.update({(name, m): t.view(shape) for name, t, shape in zip(names, pieces, shapes)})
         moments.update({(name, "step"): saved["step"] for name in names})
     weights = join_stages(model_sd if holder else None, mesh)
     moments = join_stages(moments, mesh)
@@ -212,7 +220,7 @@ def joined_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> 
     return weights, {"flats": flats, "lr": optim_sd["lr"]}
 
 
-def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> tuple[dict, dict]:
+def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list, cut: dict | None = None) -> tuple[dict, dict]:
     """A full ZeRO or FSDP checkpoint of any pp size (rank 0 holds it, laid out in the flats of a
     run without a pipeline: `buckets`), as `flat_state.set_state_dict` loads a sharded one into this
     rank's stage: each flat's shard of weights and moments, a DTensor of the whole flat.
@@ -222,8 +230,13 @@ def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) ->
     shard of them and lets the whole tensors go. So a rank holds whole only the flats not yet
     complete (FSDP: one layer unit, then the root's pieces; ZeRO: a bucket or two, the two runs'
     bounds differing), not its whole stage (for CodeLlama-7b at pp 2: 3.4B parameters x 12 bytes of
-    weights and moments, 40 GB on every rank); rank 0 holds the whole checkpoint, as without a pipeline."""
+    weights and moments, 40 GB on every rank); rank 0 holds the whole checkpoint, as without a pipeline.
+
+    With --tp_size (`cut`: the sliced parameters) each rank keeps its slice of each weight and
+    moment (`slices_from_rank0`, as `tensor/checkpoint.py` loads): its flats are flats of slices."""
     rank0 = dist.get_rank() == 0
+    cut = cut or {}
+    tp_group = mesh.tp_group if cut else None
     todo = keyed_flats(model)
     mine = {n[0] for _, flat in todo for n in flat.names}
     lr = [optim_sd["lr"] if rank0 else None]
@@ -231,7 +244,8 @@ def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) ->
     held, model_sd_out, state = {}, {}, {}
     for i, run in enumerate(buckets):
         sent = _run_tensors(run, model_sd, optim_sd["flats"][f"flat{i}.{run[0][0]}"]) if rank0 else None
-        held.update(slices_from_rank0(sent, lambda key: None, None, None, wanted=lambda key: key[0] in mine))
+        held.update(slices_from_rank0(sent, lambda key: cut.get(key[0]) if key[1] != "step" else None, None,
+                                      tp_group, wanted=lambda key: key[0] in mine))
         complete = [(key, flat) for key, flat in todo if all((n[0], "weight") in held for n in flat.names)]
         for key, flat in complete:
             whole = {part: [held.pop((n[0], part)) for n in flat.names] for part in ("weight", "step", *MOMENTS)}
@@ -255,8 +269,7 @@ def _run_tensors(run: list, weights: dict, saved: dict) -> dict:
 
 
 def _shard(layout, tensors: list, mesh):
-    """This rank's shard of the flat `layout` makes of `tensors` (whole, in its order), as the
-    DTensor of the whole flat that a sharded checkpoint hands `flat_state.set_state_dict`."""
-    # a copy: a view would keep the whole padded flat alive
-    local = layout.flatten(tensors, torch.float32)[layout.shard_slice][:layout.valid(mesh.shard_rank)].clone()
-    return as_dtensor(local, mesh.shard_device_mesh(), tuple(mesh.placements()), (layout.numel,))
+    """This rank's shard of the flat `layout` makes of `tensors` (whole, or this rank's slices, in
+    its order), as the DTensor that a sharded checkpoint hands `flat_state.set_state_dict`."""
+    # a copy of the shard: a view would keep the whole padded flat alive
+    return shard_dtensor(layout, layout.flatten(tensors, torch.float32)[layout.shard_slice].clone(), mesh)

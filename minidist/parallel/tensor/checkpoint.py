@@ -195,7 +195,9 @@ def whole_flats(model, model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple
     """A full checkpoint of FSDP under tensor parallelism, as FSDP writes it without: `model_sd` and
     `optim_sd` are what `flat_state.get_state_dict` gave the tp ranks of data-parallel rank 0 (their
     slices' weights, and each unit's whole flat of moments); each moment flat is cut into its
-    parameters, each joined over tp, and laid out again whole. On rank 0; {} elsewhere."""
+    parameters, each joined over tp, and laid out again whole. On the first rank of the tp group of
+    data-parallel rank 0 (rank 0, or under a pipeline each stage's first, which `pipeline/checkpoint.py`
+    then joins); {} elsewhere."""
     if mesh.rank != 0:
         return {}, {}
     weights = joined_on_rank0(model_sd, cut, mesh.tp_group)
@@ -206,7 +208,7 @@ def whole_flats(model, model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple
         for m in MOMENTS:
             joined = joined_on_rank0(dict(zip(names, flat.layout.views(saved[m]))), cut, mesh.tp_group)
             flats[key][m] = torch.cat([joined[name].reshape(-1) for name in names]) if joined else None
-    if dist.get_rank() != 0:
+    if dist.get_rank(mesh.tp_group) != 0:
         return {}, {}
     return weights, {"flats": flats, "lr": optim_sd["lr"]}
 
