@@ -9,16 +9,29 @@
   layer's backward begins;
 - gradients accumulated under `no_sync` in fp32 (the reduce dtype), not in the weights' bf16.
 
-All on a toy model of plain torch modules, 2 ranks, one launch per test.
+All on a toy model of plain torch modules, 2 ranks, every case in one launch (starting the ranks
+costs more than all the cases).
 """
 
 import fsdp_streams_workers as workers
 import pytest
 import torch
+from ddp_workers import run_cases
 
 from minidist.runtime.launch import launch
 
 ACCUMULATION = 2
+
+
+@pytest.fixture(scope="module")
+def cases() -> list:
+    """Each rank's {case: result}, every case one after the other in one launch of 2 ranks
+    (`ddp_workers.run_cases`: a barrier and the byte counter reset between cases). Each worker
+    seeds its toy model and puts back, in a `finally`, every function it replaced."""
+    return launch(run_cases, 2, [("streams", workers.on_fake_streams, (ACCUMULATION,)),
+                                 (("root", False), workers.root_once_per_micro_batch, (False, ACCUMULATION)),
+                                 (("root", True), workers.root_once_per_micro_batch, (True, ACCUMULATION)),
+                                 ("fp32", workers.accumulates_in_fp32, (3,))], timeout_s=300)
 
 
 def event_after(log, i, stream):
@@ -34,13 +47,13 @@ def waited_before(log, event, until):
     return next((j for j in range(until) if log[j] == ("wait_event", "compute", event)), None)
 
 
-def test_gathers_and_reduce_scatters_run_on_two_streams_and_every_use_waits_for_its_event():
+def test_gathers_and_reduce_scatters_run_on_two_streams_and_every_use_waits_for_its_event(cases):
     """On a GPU each collective goes to its kind's side stream after that stream waited for the compute
     stream; the compute stream waits for the collective's event before it reads the result (a unit's
     weights, a reduced shard). In backward, unit i's reduce-scatter and unit i-1's gather are in flight
     at once, and the gather launched while a reduce-scatter is still in flight is on the other stream:
     it does not queue behind it, as it would on the process group's one NCCL stream."""
-    for rank in launch(workers.on_fake_streams, 2, ACCUMULATION, timeout_s=120):
+    for rank in (ranks["streams"] for ranks in cases):
         log, layers = rank["log"], rank["layers"]
         streams = {kind: {on for k, on, _ in log if k == kind} for kind in ("all_gather", "reduce_scatter")}
         assert len(streams["all_gather"]) == len(streams["reduce_scatter"]) == 1, streams
@@ -76,7 +89,7 @@ def gathers_by_unit(log):
 
 
 @pytest.mark.parametrize("frozen_root", [False, True], ids=["full", "frozen-root"])
-def test_the_root_is_gathered_once_per_micro_batch(frozen_root):
+def test_the_root_is_gathered_once_per_micro_batch(cases, frozen_root):
     """k micro-batches: each layer gathered twice per micro-batch (forward, backward), the root once,
     its gather launched and the first layer's launched before the root is waited for. Bytes per rank
     per step, in elements of 4 bytes: (2k + 1)P(N-1)/N less kR(N-1)/N, R the root's gathered elements
@@ -84,7 +97,7 @@ def test_the_root_is_gathered_once_per_micro_batch(frozen_root):
     when it trains, through the last layer's backward; a root with nothing to train is freed when the
     last layer's backward begins. A forward without grad leaves it sharded."""
     k, n = ACCUMULATION, 2
-    for rank in launch(workers.root_once_per_micro_batch, n, frozen_root, k, timeout_s=120):
+    for rank in (ranks["root", frozen_root] for ranks in cases):
         log, sizes = rank["log"], rank["sizes"]
         log, no_grad = log[:log.index(("step over",))], log[log.index(("step over",)):]
         counts = gathers_by_unit(log)
@@ -102,12 +115,12 @@ def test_the_root_is_gathered_once_per_micro_batch(frozen_root):
         assert rank["max_unsharded"] == 3  # the root, the running layer, the prefetched one
 
 
-def test_no_sync_accumulates_bf16_gradients_in_fp32():
+def test_no_sync_accumulates_bf16_gradients_in_fp32(cases):
     """bf16 weights, 3 micro-batches: the gradient each unit reduces is the fp32 sum of the micro-batches'
     bf16 gradients, exactly, not their sum rounded to bf16 after every addition (what autograd's
     accumulation into a bf16 `.grad` gives, and what this test tells apart). Between micro-batches
     each unit keeps an fp32 sum and no bf16 `.grad`."""
-    for rank in launch(workers.accumulates_in_fp32, 2, 3, timeout_s=120):
+    for rank in (ranks["fp32"] for ranks in cases):
         assert rank["dtypes"] == [torch.bfloat16] * len(rank["dtypes"])
         rounded_apart = 0
         for u, got in enumerate(rank["accumulated"]):
