@@ -6,6 +6,8 @@ whole on every rank, and each rank's copy must be the pretrained base, bit for b
 shards come back through rank 0's gathered `parameters`, every rank's shard in it.)
 """
 
+import shutil
+
 import torch
 
 from minidist import finetune
@@ -44,3 +46,35 @@ def run_lora_finetunes(argvs, nccl_like=()):
         for cls in classes:
             cls.full_state_dict = originals[cls]
     return results
+
+
+def everything(argvs, nccl_like, peaks, full, resumes, stopped):
+    """All of test_lora.py's runs of one world size, one after the other in the same ranks: one
+    start-up for all of them. Each run seeds itself (`--seed`) and writes its own folder; the
+    NCCL-like harness and the held `full_state_dict` are put back after their runs.
+
+    - `peaks`: runs whose metrics trace each step's peak (`memory_workers.train_each`), first, as
+      when they had ranks of their own (their peak counts only what the model and optimizer reach
+      and what the step allocates, not what earlier runs left);
+    - `run_lora_finetunes(argvs, nccl_like)`;
+    - `full`: runs uninterrupted; then each of `resumes`, (checkpoint, copy, argv), resumed from a
+      copy of its checkpoint (rank 0 copies it between two barriers: after every rank wrote it,
+      before any rank reads the copy);
+    - `stopped`: more runs (the references and resumes of runs stopped by SIGTERM).
+    """
+    import torch.distributed as dist
+    from memory_workers import train_each
+    from train_workers import run_finetunes
+
+    from minidist.runtime.distributed import get_env
+
+    train_each(peaks)
+    lora = run_lora_finetunes(argvs, nccl_like)
+    whole = run_finetunes(full)
+    dist.barrier()
+    if get_env().rank == 0:
+        for checkpoint, copy, _ in resumes:
+            shutil.copytree(checkpoint, copy)
+    dist.barrier()
+    resumed = run_finetunes([argv for *_, argv in resumes])
+    return {"lora": lora, "full": whole, "resumed": resumed, "stopped": run_finetunes(stopped)}

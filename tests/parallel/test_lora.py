@@ -9,23 +9,21 @@ for bit.
 """
 
 import json
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from in_process import run_here
+from interrupted import few_games, interrupt_with_torchrun
+from lora_workers import everything
 from peft import LoraConfig, PeftModel, get_peft_model
+from reference import train_reference
 from transformers import AutoModelForCausalLM
 
 from minidist import finetune
-from minidist.step import lr_schedule
 from minidist.runtime.launch import launch
-from in_process import run_here
-from lora_workers import run_lora_finetunes
-from reference import train_reference
-from interrupted import few_games, interrupt_with_torchrun
-from train_workers import run_finetunes
+from minidist.step import lr_schedule
 
 STEPS, SEQ, LR, SEED, RANK = 4, 48, 3e-3, 3, 4
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -84,16 +82,86 @@ def references(tiny_model, games):
     return out
 
 
+FULL = [("torch", "ddp", 2, 1), ("torch", "fsdp", 2, 1), ("minidist", "ddp", 2, 1), ("minidist", "zero1", 2, 1),
+        ("minidist", "zero2", 2, 1), ("minidist", "fsdp", 2, 1), ("minidist", "hsdp", 4, 2),
+        ("torch", "hsdp", 4, 2)]  # (implementation, strategy, ranks, nodes)
+RESUMED = [("minidist", "fsdp"), ("torch", "ddp")]  # stopped by SIGTERM under torchrun, then resumed
+PEAKS = [("minidist", "fsdp", []), ("minidist", "fsdp", ["--mixed_precision", "bf16", "--gradient_checkpointing"]),
+         ("minidist", "fsdp", ["--gradient_accumulation_steps", "2", "--lora_target_modules", "all-linear"]),
+         ("torch", "fsdp", ["--mixed_precision", "bf16", "--lora_dropout", "0.1"]),
+         ("minidist", "zero2", ["--mixed_precision", "bf16"]), ("torch", "ddp", ["--mixed_precision", "bf16"])]
+
+
+def full_argv(model, games, impl, strategy, world, out, *extra):
+    """A run with --checkpoint_format full, saving at 2 and 4: a global batch of 4, as `references`
+    (2 ranks x 2 accumulation steps, or 4 x 1)."""
+    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", impl,
+            "--strategy", strategy, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR),
+            "--eval_prefixes", "0", "--batch_size_per_device", "1", "--gradient_accumulation_steps", str(4 // world),
+            "--warmup_steps", "2", "--seed", str(SEED), "--lora_rank", str(RANK), "--save_steps", "2",
+            "--checkpoint_format", "full", *extra,
+            *(["--bucket_cap_mb", "0.01"] if impl == "minidist" and strategy in ("ddp", "zero1", "zero2") else [])]
+
+
+def stopped_argv(model, games, impl, strategy, out, *extra):
+    """6 steps of 4 games (24 of the 64), for the run stopped by SIGTERM, its reference and its resume."""
+    return ["--model", model, "--data", games, "--output_dir", str(out), "--impl", impl,
+            "--strategy", strategy, "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0",
+            "--batch_size_per_device", "2", "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4", *extra]
+
+
+def peak_argv(model, games, out, impl, strategy, extra):
+    """5 steps on the weighty model, each step's whole peak of live tensors traced (`--trace_memory_every 1`)."""
+    return ["--model", model, "--data", games, "--max_steps", "5", "--max_seq_length", "32",
+            "--batch_size_per_device", "2", "--eval_prefixes", "0", "--no_save", "--trace_memory_every", "1",
+            "--lora_rank", "8", "--impl", impl, "--strategy", strategy, "--output_dir", str(out), *extra]
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_model, games, tmp_path_factory):
-    """Every case, and a bf16 FSDP run, in one launch of 2 ranks (starting ranks costs more than a run)."""
-    out = tmp_path_factory.mktemp("lora")
-    argvs = [argv_for(tiny_model, games, out, *case) for case in CASES]
-    argvs.append(argv_for(tiny_model, games, out, "minidist", "fsdp", ["--mixed_precision", "bf16"]))
-    twins = [argv_for(tiny_model, games, out / "nccl-like", *case) for case in NCCL_LIKE]
-    ranks = launch(run_lora_finetunes, 2, argvs + twins, range(len(argvs), len(argvs) + len(twins)), timeout_s=900)
-    argvs += twins
-    return {tuple(argv): [rank[i] for rank in ranks] for i, argv in enumerate(argvs)}, out
+def launches(tiny_model, games, weighty_model, long_games, tmp_path_factory):
+    """Every run of this module, in one launch per world size (`lora_workers.everything`): starting
+    ranks costs more than a run (about 5 CPU s a rank). On 2 ranks, one after the other: the peaks
+    (`PEAKS`), every case and a bf16 FSDP run (the NCCL-like twins too), the 2-rank `FULL` runs and
+    their resumes from step 2, and the `RESUMED` runs' references and resumes (torchrun stops them
+    first, in processes of its own: a run killed cannot share the ranks). On 2 simulated nodes x 2
+    ranks: the 4-rank `FULL` runs and their resumes. Returns each world size's results by rank, the
+    output folders' root and the cases' argument lists in the order of their results."""
+    root = tmp_path_factory.mktemp("lora")
+    argvs = [argv_for(tiny_model, games, root, *case) for case in CASES]
+    argvs.append(argv_for(tiny_model, games, root, "minidist", "fsdp", ["--mixed_precision", "bf16"]))
+    twins = [argv_for(tiny_model, games, root / "nccl-like", *case) for case in NCCL_LIKE]
+    peaks = [peak_argv(weighty_model, long_games, root / "peaks" / f"{i}", *case) for i, case in enumerate(PEAKS)]
+    stopped = []
+    for impl, strategy in RESUMED:
+        out = root / "sigterm" / f"{impl}-{strategy}"
+        out.mkdir(parents=True)
+        first = interrupt_with_torchrun(stopped_argv(tiny_model, games, impl, strategy, out / "out", "--save_steps",
+                                                     "2"), out / "torchrun.log", signal.SIGTERM, "step:3")
+        (out / "stopped.log").write_text(first["log"])
+        stopped += [stopped_argv(tiny_model, games, impl, strategy, out / "reference"),
+                    stopped_argv(tiny_model, games, impl, strategy, out / "out", "--save_steps", "2", "--resume")]
+    by_world = {}
+    for world, nodes in sorted({(w, n) for *_, w, n in FULL}):
+        full, resumes = [], []
+        for impl, strategy in [(i, s) for i, s, w, n in FULL if (w, n) == (world, nodes)]:
+            whole, resumed = root / "full" / f"{impl}-{strategy}", root / "full" / f"{impl}-{strategy}-resumed"
+            full.append(full_argv(tiny_model, games, impl, strategy, world, whole))
+            resumes.append((str(whole / "checkpoint-2"), str(resumed / "checkpoint-2"),
+                            full_argv(tiny_model, games, impl, strategy, world, resumed, "--resume",
+                                      str(resumed / "checkpoint-2"))))
+        if world == 2:
+            by_world[world] = launch(everything, world, argvs + twins, range(len(argvs), len(argvs) + len(twins)),
+                                     peaks, full, resumes, stopped, nodes=nodes, timeout_s=1800)
+        else:
+            by_world[world] = launch(everything, world, [], (), [], full, resumes, [], nodes=nodes, timeout_s=900)
+    return {"ranks": by_world, "root": root, "argvs": argvs + twins}
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    """Each case's results, by rank: {argv: [rank 0's, rank 1's]}, and the output folders' root."""
+    ranks = [rank["lora"] for rank in launches["ranks"][2]]
+    return {tuple(argv): [rank[i] for rank in ranks] for i, argv in enumerate(launches["argvs"])}, launches["root"]
 
 
 def reference_for(references, extra):
@@ -202,36 +270,16 @@ def test_bad_lora_flags_end_with_one_line(tiny_model, tmp_path, capsys, argv, ex
     assert "Traceback" not in err
 
 
-FULL = [("torch", "ddp", 2, 1), ("torch", "fsdp", 2, 1), ("minidist", "ddp", 2, 1), ("minidist", "zero1", 2, 1),
-        ("minidist", "zero2", 2, 1), ("minidist", "fsdp", 2, 1), ("minidist", "hsdp", 4, 2),
-        ("torch", "hsdp", 4, 2)]  # (implementation, strategy, ranks, nodes)
-
-
 @pytest.fixture(scope="module")
-def full_resumes(tiny_model, games, tmp_path_factory):
+def full_resumes(launches):
     """Each strategy with --checkpoint_format full: 4 steps uninterrupted (saving at 2 and 4), then
     resumed in a fresh folder from its checkpoint of step 2: {(impl, strategy): (whole, resumed, folder)}."""
-    root = tmp_path_factory.mktemp("lora-full")
-
-    def argv(impl, strategy, world, out, *extra):  # a global batch of 4, as `references`: 2 ranks x 2 or 4 x 1
-        return ["--model", tiny_model, "--data", games, "--output_dir", str(out), "--impl", impl,
-                "--strategy", strategy, "--max_steps", str(STEPS), "--max_seq_length", str(SEQ), "--learning_rate", str(LR), "--eval_prefixes",
-                "0", "--batch_size_per_device", "1", "--gradient_accumulation_steps", str(4 // world), "--warmup_steps",
-                "2", "--seed", str(SEED), "--lora_rank", str(RANK), "--save_steps", "2", "--checkpoint_format", "full",
-                *extra,
-                *(["--bucket_cap_mb", "0.01"] if impl == "minidist" and strategy in ("ddp", "zero1", "zero2") else [])]
-
     out = {}
     for world, nodes in sorted({(w, n) for *_, w, n in FULL}):
         cases = [(i, s) for i, s, w, n in FULL if (w, n) == (world, nodes)]
-        whole = launch(run_finetunes, world, [argv(i, s, world, root / f"{i}-{s}") for i, s in cases], nodes=nodes,
-                       timeout_s=900)[0]
-        for i, s in cases:
-            shutil.copytree(root / f"{i}-{s}" / "checkpoint-2", root / f"{i}-{s}-resumed" / "checkpoint-2")
-        resumed = launch(run_finetunes, world, [argv(i, s, world, root / f"{i}-{s}-resumed", "--resume",
-                                                     str(root / f"{i}-{s}-resumed" / "checkpoint-2"))
-                                                for i, s in cases], nodes=nodes, timeout_s=900)[0]
-        out.update({case: (w, r, root / f"{case[0]}-{case[1]}") for case, w, r in zip(cases, whole, resumed)})
+        rank0 = launches["ranks"][world][0]
+        out.update({case: (w, r, launches["root"] / "full" / f"{case[0]}-{case[1]}")
+                    for case, w, r in zip(cases, rank0["full"], rank0["resumed"])})
     return out
 
 
@@ -274,32 +322,12 @@ def test_lora_under_hsdp_matches_one_process(full_resumes, references, impl):
             assert 0 <= r["comm_bytes_across_nodes"] - 4 * trained / 2 < 4 * 3 * 2
 
 
-RESUMED = [("minidist", "fsdp"), ("torch", "ddp")]
-
-
 @pytest.fixture(scope="module")
-def stopped_runs(tiny_model, games, tmp_path_factory):
-    """Per case: (torchrun's log of the run stopped by SIGTERM, the uninterrupted run, the resumed
-    one). Both cases' references and resumes share one launch: starting the ranks costs more than
-    6 steps (of 4 games: 24 of the 64)."""
-    root = tmp_path_factory.mktemp("lora-sigterm")
-
-    def argv(impl, strategy, out, *extra):
-        return ["--model", tiny_model, "--data", games, "--output_dir", str(out), "--impl", impl,
-                "--strategy", strategy, "--max_steps", "6", "--max_seq_length", "48", "--eval_prefixes", "0",
-                "--batch_size_per_device", "2", "--warmup_steps", "2", "--seed", "3", "--lora_rank", "4", *extra]
-
-    logs, argvs = {}, []
-    for impl, strategy in RESUMED:
-        out = root / f"{impl}-{strategy}"
-        out.mkdir()
-        first = interrupt_with_torchrun(argv(impl, strategy, out / "out", "--save_steps", "2"), out / "torchrun.log",
-                                        signal.SIGTERM, "step:3")
-        logs[impl, strategy] = first["log"]
-        argvs += [argv(impl, strategy, out / "reference"), argv(impl, strategy, out / "out", "--save_steps", "2",
-                                                                 "--resume")]
-    results = launch(run_finetunes, 2, argvs, timeout_s=600)[0]
-    return {case: (logs[case], *results[2 * i:2 * i + 2]) for i, case in enumerate(RESUMED)}
+def stopped_runs(launches):
+    """Per case: (torchrun's log of the run stopped by SIGTERM, the uninterrupted run, the resumed one)."""
+    results = launches["ranks"][2][0]["stopped"]
+    return {case: ((launches["root"] / "sigterm" / "{}-{}".format(*case) / "stopped.log").read_text(),
+                   *results[2 * i:2 * i + 2]) for i, case in enumerate(RESUMED)}
 
 
 @pytest.mark.parametrize("impl,strategy", RESUMED)
@@ -318,7 +346,7 @@ def test_the_estimate_of_lora_model_states_is_what_the_loop_measures(tiny_model,
     holds a full fine-tune."""
     from minidist.memory import estimator
 
-    results, out = runs
+    _, out = runs
     argv = argv_for(tiny_model, games, out, impl, strategy, extra)
     records = [json.loads(line) for line in (Path(argv[argv.index("--output_dir") + 1]) / "metrics.jsonl")
                .read_text().splitlines()]
@@ -330,7 +358,7 @@ def test_the_estimate_of_lora_model_states_is_what_the_loop_measures(tiny_model,
                             gradient_checkpointing="--gradient_checkpointing" in extra, lora_rank=RANK,
                             lora_target_modules="all-linear" if "all-linear" in extra else None, **options)
     estimate = estimator.model_states(estimator.model_shape(tiny_model), setup)
-    full = estimator.model_states(estimator.model_shape(tiny_model), estimator.setup(**{**setup.options.__dict__},
+    full = estimator.model_states(estimator.model_shape(tiny_model), estimator.setup(**setup.options.__dict__,
                                                                                      world_size=2))
     for term in ("parameters", "gradients", "optimizer_states"):
         got, want = max(measured[term]), estimate[term]
@@ -378,13 +406,7 @@ def test_the_memory_command_takes_lora_flags_and_refuses_bad_ones_in_one_line(ca
     assert expected in err.strip().splitlines()[-1], err
 
 
-PEAKS = [("minidist", "fsdp", []), ("minidist", "fsdp", ["--mixed_precision", "bf16", "--gradient_checkpointing"]),
-         ("minidist", "fsdp", ["--gradient_accumulation_steps", "2", "--lora_target_modules", "all-linear"]),
-         ("torch", "fsdp", ["--mixed_precision", "bf16", "--lora_dropout", "0.1"]),
-         ("minidist", "zero2", ["--mixed_precision", "bf16"]), ("torch", "ddp", ["--mixed_precision", "bf16"])]
-
-
-def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model, long_games, tmp_path):
+def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model, launches):
     """The whole step's peak of live tensors (`measure.LiveTensors`) under LoRA, on 2 gloo ranks,
     within 5% of the estimate, as tests/memory/test_memory.py holds a full fine-tune: FSDP's units are
     gathered whole but only their adapters have gradients and are reduce-scattered (`moments.py`),
@@ -394,22 +416,16 @@ def test_the_whole_step_peak_under_lora_is_what_the_estimate_says(weighty_model,
     ten, one more gathered bf16 layer of FSDP2 (1.5 MB, 8.5% of the peak) is still alive at its
     peak, whenever gloo's threads let go of it (Python's garbage collector off, it still happens);
     with 3 steps one run in three saw it in both steps 2 and 3."""
-    from memory_workers import train_each
     from minidist.memory import estimator
 
-    common = ["--model", weighty_model, "--data", long_games, "--max_steps", "5", "--max_seq_length", "32",
-              "--batch_size_per_device", "2", "--eval_prefixes", "0", "--no_save", "--trace_memory_every", "1",
-              "--lora_rank", "8"]
-    runs = [common + ["--impl", impl, "--strategy", name, "--output_dir", str(tmp_path / f"{i}")] + extra
-            for i, (impl, name, extra) in enumerate(PEAKS)]
-    launch(train_each, 2, runs, timeout_s=600)
     shape = estimator.model_shape(weighty_model)
 
     def flag(extra, f, default):  # the value given to flag f in the case's extra arguments
         return extra[extra.index(f) + 1] if f in extra else default
 
     for i, (impl, name, extra) in enumerate(PEAKS):
-        records = [json.loads(line) for line in (tmp_path / f"{i}" / "metrics.jsonl").read_text().splitlines()]
+        folder = launches["root"] / "peaks" / f"{i}"  # trained first in the module's 2-rank launch
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         setup = estimator.setup(strategy=name, impl=impl, world_size=2, batch_size_per_device=2, max_seq_length=32,
                                 padded=False, backend="gloo", mixed_precision=flag(extra, "--mixed_precision", "fp32"),
                                 gradient_checkpointing="--gradient_checkpointing" in extra, lora_rank=8,
@@ -429,9 +445,10 @@ def test_lora_activations_traced_are_what_a_real_peft_forward_saves(mode, padded
     changes it: a frozen linear layer saves no input (its weight wants no gradient; layer 0's input
     wants none either), each adapter saves its r-wide `lora_A` output, and with dropout a mask and
     the dropped input."""
-    from minidist.step import token_loss_sum
-    from minidist.memory import lora_terms, measure, trace
     from tiny_configs import BATCH, CONFIGS, SEQ, assert_equal
+
+    from minidist.memory import lora_terms, measure, trace
+    from minidist.step import token_loss_sum
 
     config = CONFIGS["llama"]()
     adapt = lora_terms.adapt(lora_key, mode)
