@@ -67,3 +67,12 @@ def fsdp_gather_faults(hidden_size: int, gathers: int, measured: int) -> dict:
         unit.free()
         faults.append(minor_page_faults() - before)
     return {"faults": faults[-measured:], "all_faults": faults, "unit_bytes": 4 * unit.layout.padded_numel}
+
+
+def remake_then_gather(remake: dict, gather: dict) -> dict:
+    """`remake_tensor(**remake)`, then `fsdp_gather_faults(**gather)`, in the same ranks: one start-up
+    for both (a launch costs more than either). Both run with the heap set up alike (the project's
+    settings), and what the first leaves in the heap can only spare the second faults it would have
+    had anyway in its first, unmeasured gathers: with glibc's defaults each still maps its blocks
+    afresh every time (test_allocator.py's docstring: run that way, the tests fail)."""
+    return {"remake": remake_tensor(**remake), "gather": fsdp_gather_faults(**gather)}

@@ -18,21 +18,30 @@ from minidist.runtime import allocator
 from minidist.runtime.launch import launch
 
 
-def test_a_launched_cpu_rank_reuses_a_freed_64_mb_tensor(monkeypatch):
+@pytest.fixture(scope="module")
+def set_up_heap() -> list:
+    """Each rank's results of the two measurements made with the project's heap settings, in one
+    launch of 2 ranks (`allocator_workers.remake_then_gather`). The launch with glibc's defaults
+    below needs a fork server of its own, so it cannot share these ranks."""
+    return launch(allocator_workers.remake_then_gather, 2, {"megabytes": 64, "rounds": 6, "measured": 2},
+                  {"hidden_size": 1024, "gathers": 8, "measured": 4})
+
+
+def test_a_launched_cpu_rank_reuses_a_freed_64_mb_tensor(set_up_heap, monkeypatch):
     """Both ranks: the 64 MB tensor comes from the heap (no block of its own from mmap), and once the
-    heap has grown to fit it, making it again touches pages already mapped: no page faults. Launched
-    first with MINIDIST_GLIBC_DEFAULTS=1 (the bench's A/B in one process: the fork server restarts),
-    glibc's defaults map it afresh every time: 16,384 faults a round, a page per 4 KiB."""
+    heap has grown to fit it, making it again touches pages already mapped: no page faults (measured in
+    `set_up_heap`'s launch). Launched with MINIDIST_GLIBC_DEFAULTS=1 (the bench's A/B in one process: the
+    fork server restarts), glibc's defaults map it afresh every time: 16,384 faults a round, a page per 4 KiB."""
     monkeypatch.setenv(allocator.DEFAULTS_VARIABLE, "1")
     for rank in launch(allocator_workers.remake_tensor, 2, megabytes=64, rounds=2, measured=1):
         assert rank["mmapped_while_alive"] >= 64 * 2**20 and min(rank["faults"]) >= rank["pages"], rank
     monkeypatch.delenv(allocator.DEFAULTS_VARIABLE)
-    for rank in launch(allocator_workers.remake_tensor, 2, megabytes=64, rounds=6, measured=2):
+    for rank in (ranks["remake"] for ranks in set_up_heap):
         assert rank["mmapped_while_alive"] < 2**20, rank
         assert max(rank["faults"]) < rank["pages"] // 50, rank  # under 2% of its pages, each round
 
 
-def test_gathering_an_fsdp_unit_above_32_mb_again_mostly_faults_no_pages():
+def test_gathering_an_fsdp_unit_above_32_mb_again_mostly_faults_no_pages(set_up_heap):
     """A hand-written FSDP unit of 50 MB (one 1024-wide Llama layer, fp32), above the 32 MiB glibc ever
     lets its mmap threshold reach, gathered and freed over and over on 2 gloo ranks, as forward and
     backward do every step. Once the heap has grown to hold the blocks a gather makes (in its first 2
@@ -40,7 +49,7 @@ def test_gathering_an_fsdp_unit_above_32_mb_again_mostly_faults_no_pages():
     threads make their buffers in an order that varies, and now and then the heap grows by one more
     block (one unit's pages, once in 4 gathers at most, in the runs this was written from). With
     glibc's defaults every gather maps the gathered buffer and gloo's afresh: twice the unit's pages."""
-    for rank in launch(allocator_workers.fsdp_gather_faults, 2, hidden_size=1024, gathers=8, measured=4):
+    for rank in (ranks["gather"] for ranks in set_up_heap):
         unit_pages = rank["unit_bytes"] // 4096
         assert rank["unit_bytes"] > 32 * 2**20
         assert sum(faults > unit_pages // 50 for faults in rank["faults"]) <= 1, rank  # 3 of 4 under 2%
