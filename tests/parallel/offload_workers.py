@@ -51,7 +51,7 @@ def where_things_live(model_dir, strategies=("zero1", "zero2", "fsdp")):
     results = {}
     batch = _batch(model_dir, 2, 32)
     for strategy in strategies:
-        impl, model, optimizer = _wrapped(model_dir, strategy, "bf16", True)
+        _impl, model, optimizer = _wrapped(model_dir, strategy, "bf16", True)
         _step(model, optimizer, batch)
         masters = [g for group in optimizer.param_groups for g in group["params"]]
         if strategy in ("fsdp", "hsdp"):
@@ -77,8 +77,8 @@ def measured_split(model_dir, strategy, mixed_precision, batch, seq, bucket_cap_
     from minidist import batches
     from minidist.chess import jsonl
     from minidist.hf import models
-    from minidist.step import train_step
     from minidist.memory.sides import SplitLiveTensors
+    from minidist.step import train_step
 
     env = get_env()
     impl, model, optimizer = _wrapped(model_dir, strategy, mixed_precision, True, bucket_cap_mb)
@@ -110,3 +110,23 @@ def measured_splits(model_dir, cases, batch, seq, games_path):
         results.append(measured_split(model_dir, strategy, precision, batch, seq, bucket_cap_mb, games_path))
         gc.collect()
     return results
+
+
+def everything(parity, where, resumes, splits):
+    """All of test_offload.py's work of one world size, one after the other in the same ranks: one
+    start-up for all of them. Each argument is (a call's arguments) or None where this world size
+    has none of it; returns {name: what the call returned}, None for those left out.
+
+    - `splits`: `measured_splits(*splits)`, first, as when they had ranks of their own (what they
+      measure starts from what the case's model and optimizer reach; each case's are collected
+      before the next);
+    - `where`: `where_things_live(*where)`;
+    - `parity`: `zero_fsdp_workers.run_plan(*parity)`, each variant seeded and built afresh;
+    - `resumes`: `train_workers.run_finetunes(*resumes)`, each run in its own folder with its own `--seed`.
+    """
+    from train_workers import run_finetunes
+    from zero_fsdp_workers import run_plan
+
+    calls = {"splits": (measured_splits, splits), "where": (where_things_live, where),
+             "parity": (run_plan, parity), "resumes": (run_finetunes, resumes)}
+    return {name: None if args is None else fn(*args) for name, (fn, args) in calls.items()}

@@ -18,14 +18,12 @@ import json
 
 import pytest
 import torch
+from interrupted import few_games
+from offload_workers import everything
+from reference import train_reference
 
 from minidist.hf import models
 from minidist.runtime.launch import launch
-from interrupted import few_games
-from offload_workers import measured_splits, where_things_live
-from reference import train_reference
-from train_workers import run_finetunes
-from zero_fsdp_workers import run_plan
 
 GLOBAL_BATCH, STEPS, SEQ, LR, BUCKET_CAP_MB = 16, 4, 48, 3e-3, 0.05
 SHARDED = ("zero1", "zero2", "fsdp")
@@ -41,19 +39,42 @@ def variants(accum):
     """Each sharded strategy, fp32 and bf16, without and with offload; PyTorch's FSDP2 in fp32.
     And each sharded strategy offloaded under the NCCL-like harness (`tests/nccl_like.py`), fp32
     without accumulation and bf16 with it."""
-    out = [dict(strategy=s, steps=STEPS, mixed_precision=p, cpu_offload=o)
+    out = [{"strategy": s, "steps": STEPS, "mixed_precision": p, "cpu_offload": o}
            for s in SHARDED for p in ("fp32", "bf16") for o in (False, True)]
-    out += [dict(strategy=s, steps=STEPS, mixed_precision="fp32" if accum == 1 else "bf16", cpu_offload=True,
-                 nccl_like=True) for s in SHARDED]
-    return out + [dict(strategy="fsdp", steps=STEPS, impl="torch", cpu_offload=o) for o in (False, True)]
+    out += [{"strategy": s, "steps": STEPS, "mixed_precision": "fp32" if accum == 1 else "bf16", "cpu_offload": True,
+             "nccl_like": True} for s in SHARDED]
+    return out + [{"strategy": "fsdp", "steps": STEPS, "impl": "torch", "cpu_offload": o} for o in (False, True)]
+
+
+# (strategy, checkpoint form) for the resume test: each form and each kind of flat (buckets, units).
+RESUMES = [("fsdp", "sharded"), ("zero1", "sharded"), ("zero2", "full")]
+SPLIT_SEQ, SPLIT_BATCH = 32, 2
+# (strategy, precision, world size): ZeRO-2 with several buckets (1 MiB), FSDP unit by unit. Seen: within
+# 0.1% on the host, 2.0 to 4.1% on the device (ZeRO-2 fp32 on one rank, not listed: 5.5% over the estimate).
+SPLITS = [("zero2", "bf16", 2), ("zero2", "fp32", 2), ("fsdp", "bf16", 2), ("fsdp", "fp32", 1)]
 
 
 @pytest.fixture(scope="module")
-def parity_runs(llama):
-    """{world: rank 0's {accumulation: {variant: result}}}: one launch per world size."""
+def launches(llama, weighty_model, long_games, tmp_path_factory):
+    """Everything this module runs in ranks, in one launch per world size (`offload_workers.everything`):
+    starting ranks costs more than most runs here (about 5 CPU s a rank). On 1 and 2 ranks the
+    measured splits (`SPLITS` of that size) and the parity runs; on 2 ranks also where things
+    live and the resumed runs (`resume_argvs`). {world: each rank's results}, and the resumes' folder."""
     plan = [(accum, llama, accum, variants(accum)) for accum in (1, 2)]
-    return {world: launch(run_plan, world, plan, GLOBAL_BATCH, SEQ, LR, BUCKET_CAP_MB, timeout_s=600)[0]
-            for world in (1, 2)}
+    root = tmp_path_factory.mktemp("offload")
+    out = {}
+    for world in (1, 2):
+        cases = [(s, p, 1.0) for s, p, w in SPLITS if w == world]
+        where, resumes = ((llama,), (resume_argvs(llama, root),)) if world == 2 else (None, None)
+        out[world] = launch(everything, world, (plan, GLOBAL_BATCH, SEQ, LR, BUCKET_CAP_MB), where, resumes,
+                            (weighty_model, cases, SPLIT_BATCH, SPLIT_SEQ, long_games), timeout_s=1200)
+    return out, root
+
+
+@pytest.fixture(scope="module")
+def parity_runs(launches):
+    """{world: rank 0's {accumulation: {variant: result}}}."""
+    return {world: ranks[0]["parity"] for world, ranks in launches[0].items()}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -101,18 +122,14 @@ def test_offload_in_fp32_matches_one_process(parity_runs, llama):
                 torch.testing.assert_close(run["parameters"][key], tensor, rtol=1e-5, atol=LR / 50, msg=f"{name} {key}")
 
 
-def test_masters_and_their_gradients_live_on_the_host(llama):
-    for rank in launch(where_things_live, 2, llama, timeout_s=300):
+def test_masters_and_their_gradients_live_on_the_host(launches):
+    for rank in (ranks["where"] for ranks in launches[0][2]):
         for strategy, where in rank.items():
             assert where["masters_host"] and where["masters_fp32"], strategy
             assert where["grads_host"], strategy
             assert where["num_grads"] > 0 or strategy == "zero1", strategy  # ZeRO-1's gradients stay on the device
             assert not where["device_side_host"], strategy
             assert where["device_side_dtype"] == {"torch.bfloat16"}, strategy
-
-
-# (strategy, checkpoint form) for the resume test: each form and each kind of flat (buckets, units).
-RESUMES = [("fsdp", "sharded"), ("zero1", "sharded"), ("zero2", "full")]
 
 
 def finetune_args(model, games, out, strategy, *extra, offload=True):
@@ -122,12 +139,10 @@ def finetune_args(model, games, out, strategy, *extra, offload=True):
             "--learning_rate", "3e-3", "--warmup_steps", "2", "--seed", "3", *extra]
 
 
-def test_an_offloaded_run_resumes_bitwise(llama, tmp_path):
-    """Per strategy: 6 steps straight; 6 steps saving at 3; then from checkpoint-3 to step 6 again.
-    The resumed run's losses and final weights are the uninterrupted run's, exactly. And the
-    training loop (which traces the first step's memory under a dispatch mode) with offload
-    gives the losses of the loop without it. All on 64 games (6 steps of 4 draw 24): otherwise
-    each rank of each of the 12 runs tokenizes all 3,000."""
+def resume_argvs(llama, tmp_path):
+    """Per strategy of `RESUMES`, in its folder under `tmp_path`: the run without offload, the
+    offloaded run straight, the one saving at 3, the one resumed from its checkpoint-3. All on 64
+    games (6 steps of 4 draw 24): otherwise each rank of each of the 12 runs tokenizes all 3,000."""
     games, argvs = str(few_games(tmp_path)), []
     for strategy, form in RESUMES:
         root = tmp_path / strategy
@@ -137,7 +152,16 @@ def test_an_offloaded_run_resumes_bitwise(llama, tmp_path):
                                 "--checkpoint_format", form),
                   finetune_args(llama, games, root / "saved", strategy, "--checkpoint_format", form,
                                 "--resume", str(root / "saved" / "checkpoint-3"))]
-    results = launch(run_finetunes, 2, argvs, timeout_s=600)[0]
+    return argvs
+
+
+def test_an_offloaded_run_resumes_bitwise(launches):
+    """Per strategy: 6 steps straight; 6 steps saving at 3; then from checkpoint-3 to step 6 again.
+    The resumed run's losses and final weights are the uninterrupted run's, exactly. And the
+    training loop (which traces the first step's memory under a dispatch mode) with offload
+    gives the losses of the loop without it."""
+    by_world, tmp_path = launches
+    results = by_world[2][0]["resumes"]
     for i, (strategy, form) in enumerate(RESUMES):
         plain, straight, saved, resumed = results[4 * i:4 * i + 4]
         assert straight["losses"] == plain["losses"], strategy
@@ -150,23 +174,15 @@ def test_an_offloaded_run_resumes_bitwise(llama, tmp_path):
         assert checkpoint["step"] == 6
 
 
-SPLIT_SEQ, SPLIT_BATCH = 32, 2
-# (strategy, precision, world size): ZeRO-2 with several buckets (1 MiB), FSDP unit by unit. Seen: within
-# 0.1% on the host, 2.0 to 4.1% on the device (ZeRO-2 fp32 on one rank, not listed: 5.5% over the estimate).
-SPLITS = [("zero2", "bf16", 2), ("zero2", "fp32", 2), ("fsdp", "bf16", 2), ("fsdp", "fp32", 1)]
-
-
 @pytest.fixture(scope="module")
-def splits(weighty_model, long_games):
-    """{(strategy, precision, world): per rank, the measured split}, one launch per world size, on
-    conftest's 4.15M-parameter Llama (tests/memory/test_memory.py's) and games longer than the
-    sequence: full, unpadded micro-batches, as the estimate assumes (`padded=False`)."""
+def splits(launches):
+    """{(strategy, precision, world): per rank, the measured split}, on conftest's 4.15M-parameter
+    Llama (tests/memory/test_memory.py's) and games longer than the sequence: full, unpadded
+    micro-batches, as the estimate assumes (`padded=False`)."""
     out = {}
-    for world in sorted({w for *_, w in SPLITS}):
+    for world, ranks in launches[0].items():
         cases = [(s, p, w) for s, p, w in SPLITS if w == world]
-        ranks = launch(measured_splits, world, weighty_model, [(s, p, 1.0) for s, p, _ in cases], SPLIT_BATCH,
-                       SPLIT_SEQ, long_games, timeout_s=300)
-        out.update({case: [rank[i] for rank in ranks] for i, case in enumerate(cases)})
+        out.update({case: [rank["splits"][i] for rank in ranks] for i, case in enumerate(cases)})
     return out
 
 
@@ -195,8 +211,9 @@ def test_the_estimates_device_and_host_columns_are_the_measured_split(weighty_mo
 @pytest.mark.parametrize("impl", ["torch", "minidist"])
 def test_offload_with_ddp_is_refused_in_one_line(tiny_model, tmp_path, capsys, impl):
     """DDP has no optimizer shard to put on the host: one line, exit 2, naming what to use instead."""
-    from minidist import finetune
     from in_process import said
+
+    from minidist import finetune
 
     line = said(finetune.main, ["--model", tiny_model, "--output_dir", str(tmp_path), "--impl", impl, "--strategy", "ddp",
                                 "--cpu_offload"], capsys)
