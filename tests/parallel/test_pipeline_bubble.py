@@ -18,7 +18,7 @@ from minidist.runtime.launch import launch
 
 # Micro-batches of one sequence, the same work per action whatever m (the formula's setting), on a
 # model whose stages are nearly equal (a 64-token vocabulary: the head is 1% of a 2-layer stage).
-SIZES = {"hidden": 256, "layers": 4, "vocab": 64, "length": 64, "micro_batch": 1, "steps": 3}
+SIZES = {"hidden": 256, "layers": 4, "vocab": 64, "length": 64, "micro_batch": 1, "steps": 5}
 CASES = {2: [(name, m) for name in ("gpipe", "1f1b") for m in (1, 2, 4, 8)],
          4: [("gpipe", 4), ("1f1b", 4), ("1f1b", 8)]}
 SERIAL_M = 4
@@ -26,8 +26,9 @@ SERIAL_M = 4
 # 2-core machine) a stage's median idle share on a core per stage strayed from the formula by -0.06 to
 # +0.09 (the stages' small imbalance, and CPU times on a loaded machine). What it must catch is larger: a
 # formula off by one, (p - 1) / (m + p), is 0.17 off at p = 2, m = 1; one micro-batch at a time idles 0.3
-# more than GPipe at p = 2, m = 4.
-BAND = 0.12
+# more than GPipe at p = 2, m = 4. A fresh-clone CI run (3 steps, quiet machine) then saw +0.12 (GPipe,
+# m = 8, stage 1), and runs of 5 steps failed 0.12 too: the band is 0.15, with 5 steps, still under both.
+BAND = 0.15
 
 
 def one_at_a_time(m: int, pp: int) -> list:
@@ -83,8 +84,9 @@ def test_the_timeline_is_the_rank_s_list_in_order_and_its_work_fits_in_it(measur
                 assert [(kind, i) for kind, i, _, _ in timeline] == table[rank]
                 ends = [0.0] + [t for _, _, start, end in timeline for t in (start, end)] + [step_time]
                 assert ends == sorted(ends), (rank, timeline, step_time)  # one action after another, inside the step
-                # A thread computes no more CPU seconds than the host's clock saw pass.
-                assert all(0 < cpu <= end - start + 1e-4 for cpu, (_, _, start, end) in zip(work, timeline))
+                # A thread computes no more CPU seconds than the host's clock saw pass (to a millisecond:
+                # the two clocks are read one after the other, and the CPU clock is accounted in ticks).
+                assert all(0 < cpu <= end - start + 1e-3 for cpu, (_, _, start, end) in zip(work, timeline))
 
 
 def test_the_run_on_this_machine_is_no_faster_than_on_a_core_per_stage(measured):
