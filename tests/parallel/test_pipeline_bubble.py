@@ -26,9 +26,11 @@ SERIAL_M = 4
 # 2-core machine) a stage's median idle share on a core per stage strayed from the formula by -0.06 to
 # +0.09 (the stages' small imbalance, and CPU times on a loaded machine). What it must catch is larger: a
 # formula off by one, (p - 1) / (m + p), is 0.17 off at p = 2, m = 1; one micro-batch at a time idles 0.3
-# more than GPipe at p = 2, m = 4. A fresh-clone CI run (3 steps, quiet machine) then saw +0.12 (GPipe,
-# m = 8, stage 1), and runs of 5 steps failed 0.12 too: the band is 0.15, with 5 steps, still under both.
-BAND = 0.15
+# more than GPipe at p = 2, m = 4. Later runs on a quiet machine saw one stage 0.12 and 0.15 off (GPipe,
+# m = 8 and m = 4), the other stage then off the other way (the stages' work moves against each other from
+# run to run): their mean stayed within 0.06. So the stages' mean is held to BAND, each stage to STAGE_BAND.
+BAND = 0.10
+STAGE_BAND = 0.25
 
 
 def one_at_a_time(m: int, pp: int) -> list:
@@ -62,18 +64,23 @@ def replayed(table, steps_by_rank) -> list[float]:
     return [statistics.median(idle) for idle in bubble.replayed_idle(table, steps_by_rank)]
 
 
+def near(idle: list[float], expected: float) -> bool:
+    """The stages' mean idle within BAND of `expected`, and each stage's within STAGE_BAND (see BAND)."""
+    return abs(statistics.mean(idle) - expected) <= BAND and all(abs(x - expected) <= STAGE_BAND for x in idle)
+
+
 def test_each_stage_idles_as_the_formula_says_on_a_core_per_stage(measured):
     pp, by_case = measured
     for case in CASES[pp]:
         idle = replayed(*by_case[case])
-        assert all(abs(share - bubble.expected(pp, case[1])) <= BAND for share in idle), (pp, case, idle)
+        assert near(idle, bubble.expected(pp, case[1])), (pp, case, idle)
 
 
 def test_one_micro_batch_at_a_time_does_not_pipeline(measured):
     # (p - 1) / p at m = 4, where GPipe and 1F1B idle (p - 1) / (m + p - 1): 1/2 against 1/5 at p = 2.
     pp, by_case = measured
     idle = replayed(*by_case["serial", SERIAL_M])
-    assert all(abs(share - (pp - 1) / pp) <= BAND for share in idle), (pp, idle)
+    assert near(idle, (pp - 1) / pp), (pp, idle)
 
 
 def test_the_timeline_is_the_rank_s_list_in_order_and_its_work_fits_in_it(measured):
