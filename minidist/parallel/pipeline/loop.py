@@ -20,7 +20,7 @@ strategy (`parallel/strategy.py`) asks this module for each:
 3. **Clipping sums over the stages.** Each stage holds different parameters: the squares of its
    gradients add up over the pipeline's ranks (`norm_groups`), as over FSDP's shards.
 4. **The whole model is the stages' parts joined** (`join_stages`): the final model, and a full
-   checkpoint (every strategy here, but the hand FSDP under pp x tp), which then loads at any
+   checkpoint (of every strategy here, with --tp_size too), which then loads at any
    pipeline size (`checkpoint.py`: sharded checkpoints too, each stage's shards under the whole
    model's names).
 5. **Evaluation generates through the stages** (`generate.py`): no rank holds the whole model.
