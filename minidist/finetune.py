@@ -5,10 +5,12 @@
     torchrun ... -m minidist.finetune --save_steps 50 --resume # checkpoints; go on after a kill (state.py)
     sbatch slurm/chess_finetune.sh                             # CodeLlama-7b on 4 A100s
 
-One loop for every strategy: the strategy wraps the model, builds the optimizer and decides
-what communication a backward pass does; the loop only feeds batches and steps (see
-`parallel/strategy.py`). The parallel flags are `ParallelOptions`' (`parallel/options.py`), and
-the ranks' layout is `parallel/mesh.py`'s: every data-parallel rank gets its own micro-batches.
+One loop for every strategy: the strategy (`strategy/`: a data-parallel choice plus the tensor
+and pipeline axes) loads and wraps the model, builds the optimizer, decides what communication a
+backward pass does, clips, and saves; the loop checks the input, builds the batches, runs the steps,
+records each, evaluates and hands checkpoints to the session. The parallel flags are
+`ParallelOptions`' (`strategy/options.py`), and the ranks' layout is `parallel/mesh.py`'s: every
+data-parallel rank gets its own micro-batches.
 
 Read it top to bottom: `parse_args` (the options), `train` (the run claims its output folder),
 `_train` (strategy, model, optimizer, the step loop with one record per step, the end), then the
@@ -45,8 +47,8 @@ from minidist.runtime import divergence, metrics, tensorboard
 from minidist.runtime.distributed import cleanup, init_distributed, use_cores_for_offload
 from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 from minidist.step import assemble_micro_batches, follow_schedule, lr_schedule, rescale_peak, train_step
 
 
@@ -62,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--illegal_games", choices=("refuse", "skip"), default="refuse",
                    help="a training game that is not legal chess: refuse the run (the games it trains on are checked), "
                         "or skip it and say how many were skipped (every game is checked)")
-    ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (parallel/options.py)
+    ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (strategy/options.py)
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
     lora.add_arguments(p)  # --lora_rank, --lora_alpha, ... (lora.py)
     p.add_argument("--batch_size_per_device", type=int, default=8)
@@ -137,22 +139,6 @@ def _check_numbers(p: ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--output_dir must name a folder, got {args.output_dir!r}")
 
 
-# The times one optimizer step of the loop may make the host wait for the device in our code, whatever
-# the number of micro-batches: each is a value the CPU needs now (runtime/host_syncs.py counts them,
-# tests/loop/test_host_syncs.py holds the loop to this). Everything else stays on the device, each
-# micro-batch's loss too (step.train_step adds them there), and the gradient norm, which clipping
-# needs only on the device. All come after the device has finished the step (on a GPU the loop waits
-# for it there, to time it: torch.cuda.synchronize, no aten op, not counted): none in the middle.
-HOST_SYNCS_PER_STEP = {
-    # the global batch's loss, summed over ranks, for the log line, and the gradient norm clipping
-    # scaled by on the device, for the record: read together, after the step
-    "loss and gradient norm": 1,
-    "memory by rank": 1,  # every rank's figures for the record, in one read (memory/measure.gather)
-    "bytes across nodes by rank": 1,  # every rank's, in one read (parallel/across_nodes.take_split)
-    "stop vote": 1,  # did any rank get a stop signal, or diverge? (checkpoint/preemption.StopSignals.agreed)
-}
-
-
 def train(args, around_train_step=None, around_step=None) -> dict:
     """Run the whole job on this rank; return what it measured (the tests compare these).
 
@@ -184,13 +170,13 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
 
     model, config, num_params, model_name = _model(args, env, strategy, lora_options)
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, args))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, args.warmup_steps, args.max_steps))
     session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
     say = print if env.is_main else _silent
     micro_bs, pad_token_id = args.batch_size_per_device, games.tokenizer.pad_token_id
     say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{_model_parallel(strategy)} on "
         f"{env.world_size} x {env.device.type} | global batch {games.sampler.global_batch_size} = {micro_bs} x "
-        f"{mesh.size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
+        f"{mesh.dp_size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
     log = metrics.MetricsLog(session.metrics_path, args.report_to) if env.is_main else None
     restored = _resumed(session, log, scheduler, args, say)  # with --resume: where to go on from, what came before
@@ -207,13 +193,13 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     for step in range(start, args.max_steps):
         with around_step():  # whatever a caller measures of the whole step (see `train`); nothing by default
             t0 = time.perf_counter()
-            micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.rank,
-                                                                mesh.size, micro_bs, pad_token_id, env.device,
+            micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.dp_rank,
+                                                                mesh.dp_size, micro_bs, pad_token_id, env.device,
                                                                 strategy.sequence_multiple)
             lr = scheduler.get_last_lr()[0]
             with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
                 with around_train_step():  # whatever a caller measures (see `train`); nothing by default
-                    loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.size)
+                    loss_sum = train_step(model, strategy, micro_batches, num_targets, mesh.dp_size)
                 grad_norm = strategy.clip_grad_norm_(model, args.max_grad_norm)
                 optimizer.step()
             memory = meter.read(model, optimizer)  # before zero_grad: the gradients are still held
@@ -295,7 +281,7 @@ def _check(args, env, session: Session):
             raise ValueError("PyTorch's sequence parallelism cuts every sequence over the ranks, so it cannot generate "
                              "a token at a time for the legal-move rate: pass --eval_prefixes 0, or use --impl minidist")
         sequences = batches.tokenize_games(texts, tokenizer, args.max_seq_length)
-        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.size * accum, args.seed)
+        sampler = batches.GlobalBatchSampler(len(sequences), micro_bs * strategy.mesh.dp_size * accum, args.seed)
         if args.illegal_games == "refuse":  # the games the steps draw, as the sampler deals them
             used = {i for step in range(args.max_steps) for i in sampler.global_batch(step)}
             legal_moves.check_training_games(texts, args.data, "refuse", used)
@@ -318,7 +304,7 @@ def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
     """What pipeline parallelism does not do yet, each in one line (a ValueError)."""
     if lora.enabled(lora_options):
         raise ValueError("LoRA with --pp_size has not been built: use one or the other")
-    # checkpoints: every strategy a pipeline composes with, in both forms (pipeline/checkpoint.py)
+    # checkpoints: every strategy a pipeline composes with, in both forms (strategy/state/pipeline.py)
 
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from minidist.batches import GlobalBatchSampler, collate
 
 
-def lr_schedule(step: int, args) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak: a multiplier for LambdaLR."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+def lr_schedule(step: int, warmup_steps: int, max_steps: int) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to a tenth of the peak at `max_steps`:
+    a multiplier for LambdaLR."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -84,10 +85,8 @@ def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     # Under tensor parallelism the logits are this rank's slice of the vocabulary, and the strategy
-    # computes the loss from the slices (`Strategy.cross_entropy_sum`). Stand-ins that only give the
-    # precision (`memory/trace.py`'s) have no such method: the whole vocabulary is here then.
-    loss_sum = getattr(strategy, "cross_entropy_sum", cross_entropy_sum)
-    return loss_sum(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    # computes the loss from the slices (`Strategy.cross_entropy_sum`); otherwise `cross_entropy_sum` below.
+    return strategy.cross_entropy_sum(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,14 +96,16 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 def train_step(model, strategy, micro_batches, num_targets: int, world_size: int) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches of one step; return its summed loss."""
-    if getattr(strategy, "pipeline", False):  # lesson 12: the micro-batches stream through the stages by a schedule
-        return strategy.pipeline_step(model, micro_batches, num_targets)  # (measuring stand-ins have no pipeline)
+    schedule = strategy.schedule(model)
+    if schedule is not None:  # lesson 12: the micro-batches stream through the stages by a schedule
+        with strategy.loss_context():  # PyTorch's tensor-parallel loss: the schedule runs forwards and backwards
+            return schedule.step(micro_batches, num_targets)
     loss_sum = 0.0
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         # Only the last micro-batch communicates; the others just add to the local gradients. (With
         # --accumulate_sharded the strategy's no_sync is a null context: each micro-batch reduce-
-        # scatters and keeps only its shard, `strategy.Strategy.no_sync`.)
+        # scatters and keeps only its shard, `strategy/base.Strategy.no_sync`.)
         # The loss's context holds over backward too: PyTorch's tensor-parallel loss needs it there.
         with nullcontext() if last else strategy.no_sync(model), strategy.loss_context():
             loss = token_loss_sum(model, batch, strategy)

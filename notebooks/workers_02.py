@@ -23,8 +23,8 @@ from minidist.step import token_loss_sum
 from minidist.bench import timeline
 from minidist.runtime.distributed import init_distributed
 from minidist.parallel import comm
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 
 import training
 

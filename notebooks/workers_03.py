@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from minidist.parallel import strategy
+from minidist import strategy
 
 import training
 

@@ -20,8 +20,8 @@ from minidist.bench import timeline
 from minidist.bench.strategies import time_steps
 from minidist.runtime.distributed import get_env
 from minidist.memory.timeline import step_timeline
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 
 import training
 

@@ -26,8 +26,8 @@ from minidist.hf import models
 from minidist.step import train_step
 from minidist.runtime.distributed import get_env
 from minidist.memory import measure
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 
 
 def _watch_units(fsdp, events, t0):

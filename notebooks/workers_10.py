@@ -25,8 +25,8 @@ from minidist.hf import models
 from minidist.step import train_step
 from minidist.runtime.distributed import get_env
 from minidist.memory.sides import SplitLiveTensors, is_host
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 
 import training
 

@@ -25,8 +25,8 @@ from minidist.chess.games import bundled_games
 from minidist.hf import models
 from minidist.memory import measure
 from minidist.parallel import comm
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 from minidist.parallel.tensor import ops
 from minidist.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
 from minidist.runtime.distributed import get_env
@@ -79,7 +79,7 @@ def linears(batch: int = 4, seq: int = 8, hidden: int = 16, inner: int = 32) -> 
 def _train(strategy, model_dir: str, data: dict, num_steps: int, lr: float) -> dict:
     """`num_steps` steps of the loop's own calls on one strategy's model; what `steps` returns per variant."""
     env = get_env()
-    model = strategy.wrap(strategy.load_model(model_dir))  # cut over tp (cut_layers), then DDP over 1 rank
+    model = strategy.wrap(strategy.load_model(model_dir))  # cut over tp (the tensor axis), then DDP over 1 rank
     model.train()  # as the loop does: from_pretrained hands back eval mode, where sequence parallelism steps aside
     optimizer = strategy.build_optimizer(model, lr)
     strategy.take_comm_bytes()  # count from here: wrapping is not a step's traffic

@@ -8,7 +8,7 @@ stage (`pipeline/stages.Stage`), builds the step's micro-batches with the loop's
 *watches*: the loss on the last stage, the bytes `comm.counter` saw sent, the micro-batches' shapes (for
 the formula b x s x h per cut), and how many micro-batches' activations the stage held at once.
 `reference` is the single-process run the pipeline is compared with: the whole model, the same batches.
-`lesson` runs `pipeline` and then the bubble's measurement (`pipeline/bubble.measure`) in the same
+`lesson` runs `pipeline` and then the bubble's measurement (`bench/bubble.measure`) in the same
 ranks, so that one launch of N ranks does everything the notebook needs of N.
 """
 
@@ -22,7 +22,8 @@ from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.hf import models
 from minidist.parallel import comm
-from minidist.parallel.pipeline import bubble, executor, schedules, stages
+from minidist.bench import bubble
+from minidist.parallel.pipeline import executor, schedules, stages
 from minidist.step import assemble_micro_batches
 
 

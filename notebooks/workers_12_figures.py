@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from minidist.memory.pipeline import held_micro_batches
-from minidist.parallel.pipeline import bubble, executor, schedules
+from minidist.bench import bubble
+from minidist.parallel.pipeline import executor, schedules
 from minidist.parallel.tensor.traffic import fsdp_bytes_per_layer
 
 FIGURES = Path(__file__).resolve().parents[1] / "lessons" / "figures"
@@ -57,7 +58,7 @@ def play(actions_by_rank: list[list[tuple[str, int]]], forward: float = 1, backw
 
 def idle(timed: list[list[tuple]]) -> list[float]:
     """Each rank's idle share of the played step (it starts at 0 and ends with the last action), by
-    the measurement's own arithmetic (`pipeline/bubble.idle_fraction`)."""
+    the measurement's own arithmetic (`bench/bubble.idle_fraction`)."""
     span = max(row[-1][3] for row in timed)
     return [bubble.idle_fraction(row, span) for row in timed]
 

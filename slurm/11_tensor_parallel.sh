@@ -33,7 +33,7 @@
 # subject: compare `step_time_s` in the two metrics.jsonl, and with lesson 05's FSDP alone.
 # These short runs measure: they save no checkpoint (SAVE_STEPS=0) and no final model (--no_save),
 # and are not requeued. `--save_steps 10` (an argument: it wins) tries the sharded checkpoints of a
-# tensor-parallel run (minidist/parallel/tensor/checkpoint.py) on both layouts.
+# tensor-parallel run (minidist/strategy/state/tensor.py) on both layouts.
 #
 # Each run is slurm/chess_finetune.sh (srun, torchrun, rendezvous), in a folder of its own,
 # OUTPUT_DIR/tp4 and OUTPUT_DIR/tp2-fsdp2, with the accumulation this script computes for its data-

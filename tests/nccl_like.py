@@ -128,7 +128,7 @@ class NcclLike:
     # ------------------------------------------------------------------ install and uninstall
     def install(self):
         from minidist.memory import sides  # noqa: F401 (it learns of host tensors from now on)
-        from minidist.parallel import flat, mesh
+        from minidist.parallel import comm, flat
 
         self.real = {name: getattr(dist, name) for name in (*DEFERRED, *SYNC_ONLY, "get_backend")}
         self.real_collective_device = flat.collective_device
@@ -137,15 +137,15 @@ class NcclLike:
         for name in SYNC_ONLY:
             setattr(dist, name, self._sync_only(name))
         dist.get_backend = self.get_backend
-        flat.collective_device = mesh.collective_device = self.collective_device
+        flat.collective_device = comm.collective_device = self.collective_device
         return self
 
     def uninstall(self, raise_pending: bool = True) -> None:
-        from minidist.parallel import flat, mesh
+        from minidist.parallel import comm, flat
 
         for name, fn in self.real.items():
             setattr(dist, name, fn)
-        flat.collective_device = mesh.collective_device = self.real_collective_device
+        flat.collective_device = comm.collective_device = self.real_collective_device
         pending, self.pending = self.pending, []
         if pending and raise_pending:
             raise CollectiveMisuse(f"{len(pending)} collectives never waited for "

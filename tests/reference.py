@@ -13,7 +13,7 @@ from minidist import batches
 from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.hf import models
-from minidist.parallel.options import ADAMW_BETAS
+from minidist.strategy.options import ADAMW_BETAS
 
 
 def train_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=torch.float32, frozen=(),

@@ -68,8 +68,8 @@ def evaluate_sharded(model_dir, strategy_name, num_prefixes, impl="torch"):
     from minidist.chess.games import bundled_games
     from minidist.hf import models
     from minidist.runtime.distributed import get_env
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)

@@ -1,5 +1,5 @@
 """Benchmarks: the hand-written strategies against PyTorch's own, as ratios; a collective's
-bandwidth; the GPU check.
+bandwidth; a pipeline's bubble; the GPU check.
 
     python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP: hidden sizes 256 to 2048 on 1 and 2
                                         # CPU ranks, each goal's ratio with its spread, page faults per step
@@ -9,6 +9,7 @@ bandwidth; the GPU check.
     python -m minidist.bench allocator  # FSDP and FSDP2 per hidden size, glibc's defaults against freed blocks kept
     python -m minidist.bench allreduce  # all-reduce time, algbw and busbw per message size; 2 CPU ranks
     torchrun --nproc_per_node 4 -m minidist.bench allreduce   # the same on 4 GPUs (nccl)
+    python -m minidist.bench bubble     # a pipeline's idle time per stage against (p - 1) / (m + p - 1): CPU ranks
     python -m minidist.bench gpu        # the GPU check: every strategy on one GPU, in minutes
     python -m minidist.bench gpu --smoke  # the same code on the CPU, tiny sizes, in seconds
 
@@ -25,6 +26,8 @@ bandwidth; the GPU check.
   tokens/s, MFU, allocated and reserved peak memory against the estimate, and the step time
   against PyTorch's; CodeLlama-7b's shapes with FSDP; each row only where its estimate fits the
   GPU. It writes `table.md`, a profiler trace of one FSDP step and its memory snapshot.
+- `bubble.py`: a pipeline's bubble measured: each stage's idle share of a step, on the host's clock and
+  replayed on a core per stage, against (p - 1) / (m + p - 1) (lesson 12).
 - `gpu_report.py`: the GPU check's table and its goals.
 - `gate.py`: which rows run on this GPU: those whose estimate, with a reserve, fits.
 - `offload.py`: the GPU check's rows with and without `--cpu_offload`; `threads.py`: the CPU

@@ -1,6 +1,7 @@
 """`python -m minidist.bench ddp|fsdp|allreduce|gpu`: the command (see `__init__.py`)."""
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -36,8 +37,16 @@ def check(parser, args) -> None:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bubble"]:  # a command of its own, with its own flags (bubble.py)
+        from minidist.bench import bubble
+
+        bubble.main(argv[1:])
+        return
     parser = ArgumentParser(prog="python -m minidist.bench", description=bench.__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="what", required=True)
+    commands.add_parser("bubble", help="a pipeline's idle time per stage, measured on CPU ranks, against "
+                                       "(p - 1) / (m + p - 1) (`python -m minidist.bench bubble --help`)")
     for what in strategies.IMPLEMENTATIONS:
         p = commands.add_parser(what, help=f"time the hand-written {what.upper()} against PyTorch's")
         p.add_argument("--world_size", type=int, nargs="+", default=list(sweep.WORLD_SIZES),

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from minidist.parallel.options import ADAMW_OPTIONS
+from minidist.strategy.options import ADAMW_OPTIONS
 
 STEPS, SEQ, LR, SEED, WARMUP = 4, 48, 3e-3, 3, 2  # tests/loop/test_finetune.py's run
 
@@ -89,7 +89,7 @@ def accelerate_run(model_dir, *, steps, lr, batch, accum) -> dict:
     model.train()
     schedule = SimpleNamespace(warmup_steps=WARMUP, max_steps=steps)
     # Not prepared: an `AcceleratedScheduler` steps once per process per call unless `split_batches`.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, schedule))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, schedule.warmup_steps, schedule.max_steps))
     sequences = batches.tokenize_games(jsonl.load_games(bundled_games("train")), tokenizer, SEQ)
     sampler = batches.GlobalBatchSampler(len(sequences), batch * accum * accelerator.num_processes, SEED)
     losses = []

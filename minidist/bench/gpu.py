@@ -82,8 +82,8 @@ SNAPSHOT = "memory_snapshot_minidist_fsdp.pickle"
 def build(impl: str, strategy_name: str, checkpointing: bool, source: str, env):
     """(strategy, model, optimizer) as `finetune.py` builds them. A folder without weights
     (CodeLlama-7b's config) is built from its config with random weights, on the device."""
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     options = ParallelOptions(strategy=strategy_name, impl=impl, mixed_precision="bf16",
                               gradient_checkpointing=checkpointing)

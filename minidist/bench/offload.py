@@ -32,8 +32,8 @@ STRATEGIES = ("zero2", "fsdp")
 
 
 def _build(strategy_name, cpu_offload, source, env):
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     strategy = get_strategy(ParallelOptions(strategy=strategy_name, impl="minidist", mixed_precision="bf16",
                                             cpu_offload=cpu_offload), env)

@@ -82,8 +82,8 @@ def time_steps(step, num_steps: int) -> list[float]:
 def _wrapped(base, bucket_cap_mb, **options) -> tuple:
     """(model, optimizer) as the training loop builds them: the strategy `options` name, around
     its own copy of `base` (sharding replaces a model's parameters by flat shards)."""
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     if options["impl"] == "minidist" and options["strategy"] != "fsdp":
         options["bucket_cap_mb"] = bucket_cap_mb

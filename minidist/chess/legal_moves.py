@@ -28,10 +28,8 @@ from contextlib import contextmanager
 import chess
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from minidist.batches import left_padded
-from minidist.parallel.fsdp import FullyShardedDataParallel
 
 RESULTS = ("1-0", "0-1", "1/2-1/2", "*")  # the last word of every game: python-chess's board.result()
 
@@ -129,9 +127,22 @@ def tokens_per_move(tokenizer) -> int:
     return max(len(tokenizer(" " + m, add_special_tokens=False)["input_ids"]) for m in ("a7a8q", "h2h1n", "e2e4"))
 
 
+@contextmanager
+def unwrapped(model):
+    """The model to call `generate` on, and whether it is sharded: the model inside any `.module`
+    wrapper (DDP, ZeRO-1/2, one process), replicated. A strategy whose model is sharded gives its own
+    (`Strategy.ready_to_generate`): then each forward is a collective, and `synced_gpus=True` keeps
+    every rank stepping until the last rank's rows are done, as a rank that stopped early would
+    leave the others waiting. (Here every rank writes exactly `max_new_tokens`, the end-of-sequence
+    stop being off, so the ranks agree anyway; `synced_gpus` keeps the call safe if a stop is turned on.)"""
+    while hasattr(model, "module"):
+        model = model.module
+    yield model, False
+
+
 @torch.no_grad()
 def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, device,
-                    max_length: int | None = None) -> list[str]:
+                    max_length: int | None = None, ready=unwrapped) -> list[str]:
     """Greedy decoding for a batch through Hugging Face's `generate`, left-padded so every prompt
     ends at the last column (`generate` then numbers the positions from the attention mask, so a
     padded prompt sees the positions it was trained on), with the key/value cache: each new token
@@ -143,50 +154,16 @@ def greedy_continue(model, tokenizer, prompts: list[str], max_new_tokens: int, d
 
     With `max_length` (the model's context), a prompt keeps only its last `max_length -
     max_new_tokens` tokens: the moves next to the one asked for matter most, and a model with
-    learned positions (GPT-2) has no embedding for a position past its context at all."""
+    learned positions (GPT-2) has no embedding for a position past its context at all.
+
+    `ready(model)`: a context giving the model to call `generate` on and whether it is sharded
+    (`unwrapped`, or the strategy's `ready_to_generate`)."""
     ids, mask = left_padded(tokenizer, prompts, max_new_tokens, max_length)
-    with _ready_to_generate(model) as (generator, sharded):
+    with ready(model) as (generator, sharded):  # the model inside its wrapper, gathered where sharded
         out = generator.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                                  max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=None,
                                  pad_token_id=tokenizer.pad_token_id, synced_gpus=sharded)
     return [tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out.tolist()]
-
-
-@contextmanager
-def _ready_to_generate(model):
-    """The Hugging Face model to call `generate` on, inside its wrapper, and whether the model is
-    sharded. Sharded, each forward is a collective, and `synced_gpus=True` keeps every rank
-    stepping until the last rank's rows are done, as a rank that stopped early would leave the
-    others waiting. (Here every rank writes exactly `max_new_tokens`, the end-of-sequence stop
-    being off, so the ranks agree anyway; `synced_gpus` keeps the call safe if a stop is turned on.)
-
-    - FSDP2: `fully_shard` knows `forward` only. `register_fsdp_forward_method` runs FSDP2's pre-
-      and post-forward around `generate` itself, as PyTorch documents for any other entry point,
-      so the root is gathered before `generate` reads anything; inside, every forward still fires
-      each layer's hooks. (On CPU ranks the tiny model's evaluation also runs without it: the
-      root's own hooks fire on each forward that `generate` makes.)
-    - The hand-written FSDP (`parallel/fsdp.py`): each layer unit's hooks fire on every forward
-      call, as FSDP2's do. The root (embeddings, final norm, output layer) is gathered by the
-      wrapper's own `forward`, which `generate` on the inner model never calls, so it is gathered
-      here for the whole call and freed after. Without this, the first forward finds no weights.
-    - Replicated models (DDP, ZeRO-1/2, one process): the model inside `.module`, as it is."""
-    if isinstance(model, FSDPModule):
-        if "generate" not in vars(model):  # once: each registration would wrap the method again
-            register_fsdp_forward_method(model, "generate")
-        yield model, True
-    elif isinstance(model, FullyShardedDataParallel):
-        root = model.root
-        root.gather()
-        root.wait()
-        root.use_views()
-        try:
-            yield model.module, True
-        finally:
-            root.free()
-    else:
-        while hasattr(model, "module"):
-            model = model.module
-        yield model, False
 
 
 def legal_move_rate(model, tokenizer, prefixes: list[list[str]], device, batch_size: int = 32, group=None,

@@ -236,7 +236,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device="cp
 def build_on_meta(name_or_path: str, dtype: torch.dtype = torch.float32):
     """The model without its weights: every parameter and buffer on the meta device (a shape and
     a dtype, no memory), built from its config.json alone; no weights file is opened. FSDP's ranks
-    other than 0 start from this and receive their shards from rank 0 (`parallel/strategy.py`)."""
+    other than 0 start from this and receive their shards from rank 0 (`strategy/data.py`)."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(name_or_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from minidist.hf import hub, lora, model_folder, models
 from minidist.memory import estimator, pipeline, report
-from minidist.parallel.options import ParallelOptions
+from minidist.strategy.options import ParallelOptions
 from minidist.runtime.errors import ArgumentParser, one_line_errors
 
 

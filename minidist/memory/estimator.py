@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from minidist.memory import cache, hybrid, lora_terms, moments, offload_split, tensor_parallel, trace
-from minidist.parallel.options import STRATEGIES, ParallelOptions
+from minidist.strategy.options import STRATEGIES, ParallelOptions
 
 GB = 1e9
 CONFIGS = Path(__file__).parent.parent / "hf" / "configs"

@@ -13,7 +13,7 @@ from dataclasses import replace
 from minidist.memory import offload_split, tracker
 from minidist.memory.estimator import (GB, Setup, Shape, activations, as_dict, estimate, largest_batch, peak_moment,
                                        setup)
-from minidist.parallel.options import STRATEGIES
+from minidist.strategy.options import STRATEGIES
 
 
 def others(s: Shape, setup: Setup, trace: bool = False) -> dict:

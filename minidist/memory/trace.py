@@ -180,13 +180,19 @@ def _is_weight_copy(t) -> bool:
 
 
 class _Autocast:
-    """What `token_loss_sum` asks of a strategy: the autocast context of the run's precision."""
+    """What `step.token_loss_sum` asks of a strategy, for one process with the whole model: the
+    autocast context of the run's precision, and the loss over the whole vocabulary."""
 
     def __init__(self, mode):
         self.mode = mode
 
     def autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.mode == "autocast" else nullcontext()
+
+    def cross_entropy_sum(self, logits, targets):
+        from minidist.step import cross_entropy_sum
+
+        return cross_entropy_sum(logits, targets)
 
 
 def batch_for(batch: int, seq: int, padded: bool, vocab_size: int, make=torch.randint,

@@ -107,7 +107,7 @@ def trace(source: str, setup: Setup, fake: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
     from minidist.step import token_loss_sum
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy import get_strategy
 
     if not applies(setup):
         raise ValueError(f"MemTracker traces DDP and PyTorch's FSDP here, not {setup.options.impl}/{setup.strategy}")

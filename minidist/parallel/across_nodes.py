@@ -25,9 +25,10 @@ once a step (once a micro-batch with `--accumulate_sharded`).
 
 `comm.counter` tells this module's subscriber of every collective it counts and of every reset,
 so the part across nodes always covers the same collectives as the total. Importing this module
-subscribes it (`strategy.py` does, before any step).
+subscribes it (`strategy/base.py` does, before any step).
 """
 
+import os
 from fractions import Fraction
 
 import torch
@@ -39,11 +40,16 @@ SPLIT_KEYS = ("comm_bytes", "comm_bytes_within_node", "comm_bytes_across_nodes",
               "comm_bytes_tensor_parallel")
 
 
+def ranks_per_node() -> int:
+    """The ranks of one node: as the run's strategy names them (`split.ranks_per_node`, from the
+    launch: torchrun's LOCAL_WORLD_SIZE, or SLURM's tasks per node), else `LOCAL_WORLD_SIZE`, else
+    every rank on one node."""
+    return split.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
 def crosses_nodes(group=None) -> bool:
     """Whether this rank's right neighbour on the ring of `group` sits on another node."""
-    from minidist.runtime.distributed import get_env
-
-    n, per_node = dist.get_world_size(group), get_env().local_world_size
+    n, per_node = dist.get_world_size(group), ranks_per_node()
     right = (dist.get_rank(group) + 1) % n
     right = dist.get_global_rank(group, right) if group is not None else right
     return right // per_node != dist.get_rank() // per_node
@@ -57,6 +63,7 @@ class AcrossNodes:
 
     def __init__(self):
         self.tensor_group = None
+        self.ranks_per_node = None  # set by the strategy, from the launch
         self.reset()
 
     def reset(self) -> None:

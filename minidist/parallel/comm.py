@@ -191,9 +191,34 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None):
     """Copy rank ``src``'s ``tensor`` to every rank. Used when a strategy wraps a model (rank 0's
     weights and buffers to every rank; under HSDP, node 0's shards to the other copies) and when
-    HSDP loads a full checkpoint (``flat_state.py``, through ``mesh.broadcast_from_first_copy``):
+    HSDP loads a full checkpoint (``flat_state.py``, through ``broadcast_from_first_copy`` below):
     never inside a training step, so it is not part of a step's count."""
     return dist.broadcast(tensor, src=src, group=group)
+
+
+def broadcast_from_first_copy(tensors, replicate_group) -> None:
+    """HSDP: the first copy's tensors (replicate rank 0: node 0) onto the other copies, in place.
+
+    Loading cuts the weights once, on rank 0, and scatters them over the first shard group; the
+    other nodes receive their shards from it, one shard per rank, instead of loading the model
+    again. Once, at wrap or load time: not part of a training step's count."""
+    if replicate_group is None or dist.get_world_size(replicate_group) == 1:
+        return
+    src = dist.get_global_rank(replicate_group, 0)
+    for tensor in tensors:
+        device = collective_device(tensor, replicate_group)  # a host shard (--cpu_offload): through the GPU on NCCL
+        sent = tensor.data.to(device)
+        broadcast(sent, src=src, group=replicate_group)
+        if sent is not tensor.data:
+            tensor.data.copy_(sent)
+
+
+def collective_device(t: torch.Tensor, group=None) -> torch.device:
+    """Where a collective on `t` runs: NCCL only moves GPU memory, so a host tensor (`offload.py`)
+    goes through the current GPU; gloo takes `t` where it is."""
+    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
 
 
 def scatter(output: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0, group=None):

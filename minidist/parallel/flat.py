@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist.parallel import comm
+from minidist.parallel.comm import collective_device
 
 
 class FlatLayout:
@@ -78,14 +79,6 @@ class Flat:
     @property
     def key(self) -> str:
         return self.names[0][0]
-
-
-def collective_device(t: torch.Tensor, group=None) -> torch.device:
-    """Where a collective on `t` runs: NCCL only moves GPU memory, so a host tensor (`offload.py`)
-    goes through the current GPU; gloo takes `t` where it is."""
-    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return t.device
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.parallel.flat import gather_flat, scatter_flat
-from minidist.parallel.mesh import broadcast_from_first_copy
+from minidist.parallel.comm import broadcast_from_first_copy
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -41,7 +41,7 @@ def shard_dtensor(layout, shard: torch.Tensor, mesh):
 
     With tensor parallelism (`--tp_size T`) each tp rank's flat holds its own slices, another
     tensor: the flats of a unit are the T rows of one (T, numel) tensor on the (dp_shard, tp) grid,
-    each row cut over the data-parallel ranks as without it (`tensor/checkpoint.py` says why)."""
+    each row cut over the data-parallel ranks as without it (`strategy/state/tensor.py` says why)."""
     from torch.distributed.tensor import Shard
 
     local = shard.detach()[:layout.valid(mesh.shard_rank)]
@@ -55,11 +55,11 @@ def stage_grid(mesh):
     """The `(dp_shard, tp)` grid of the ranks that hold this rank's keys: the run's, or under a
     pipeline (`--pp_size`) its stage's, a sub-mesh of the `(pp, dp_shard, tp)` grid: another stage's
     ranks hold other keys, and DCP writes each key from the grid of the ranks that hold it."""
-    from minidist.runtime.distributed import device_mesh
+    from minidist.parallel.mesh import device_mesh
 
     if mesh.pp_size > 1:
         return mesh.grid()["dp_shard", "tp"]
-    return device_mesh((mesh.size, mesh.tp_size), ("dp_shard", "tp"))
+    return device_mesh(mesh.device_type, (mesh.dp_size, mesh.tp_size), ("dp_shard", "tp"))
 
 
 def as_dtensor(local: torch.Tensor, device_mesh, placements: tuple, shape):
@@ -93,7 +93,7 @@ def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]
     _ensure_state(optimizer, flats)
     lr = torch.tensor([g["lr"] for g in optimizer.param_groups], dtype=torch.float64)
     group = mesh.shard_group
-    holder = mesh.rank == 0  # rank 0; with --tp_size, data-parallel rank 0 of every slice
+    holder = mesh.dp_rank == 0  # rank 0; with --tp_size, data-parallel rank 0 of every slice
     if full:
         # Every rank joins the gathers, one flat at a time; only rank 0 keeps them, in CPU memory.
         weights = model.full_parameters(keep=holder)
@@ -122,7 +122,7 @@ def get_state_dict(model, optimizer, full: bool, env, mesh) -> tuple[dict, dict]
 def set_state_dict(model, optimizer, model_sd: dict, optim_sd: dict, full: bool, env, mesh) -> None:
     flats = keyed_flats(model)
     _ensure_state(optimizer, flats)
-    group, holder = mesh.shard_group, mesh.rank == 0  # rank 0; with --tp_size, data-parallel rank 0 of every slice
+    group, holder = mesh.shard_group, mesh.dp_rank == 0  # rank 0; with --tp_size, data-parallel rank 0 of every slice
     for key, flat in flats:
         state, layout = optimizer.state[flat.shard], flat.layout
         if full:

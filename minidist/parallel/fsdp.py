@@ -81,7 +81,7 @@ reduce-scatters on another (HSDP's all-reduces on a third), as FSDP2's `all_gath
 reduce-scatter, as it would be on the process group's one NCCL stream (whether NCCL then runs the
 two at once is its own affair: `streams.py`). The compute stream waits for each collective's event
 before it reads the result. On a CPU the same calls are gloo's
-asynchronous collectives, as before.
+asynchronous collectives, with no stream at all.
 
 **Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at
 the same place on every node), the units are sharded over `process_group`, the S ranks of a node,
@@ -125,7 +125,7 @@ from torch import nn
 
 from minidist.parallel import comm, offload
 from minidist.parallel.flat import Flat, clip_sharded_grad_norm_, gather_parameters
-from minidist.parallel.mesh import broadcast_from_first_copy
+from minidist.parallel.comm import broadcast_from_first_copy
 from minidist.parallel.precision import MixedPrecision
 from minidist.parallel.streams import SideStream
 from minidist.parallel.unit import Unit
@@ -233,10 +233,13 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.max_unsharded = max(self.max_unsharded, self.unsharded)
 
     # ------------------------------------------------------------------ what the strategy reads
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """This rank's shard of each unit's gradient (a unit with none yet has no shard)."""
+        return [u.flat_param.grad for u in self.units if u.flat_param.grad is not None]
+
     def clip_grad_norm_(self, max_norm: float, also=()) -> torch.Tensor:
         """Clip by the whole gradient's norm (`also`: more groups holding other parts: a pipeline's stages)."""
-        return clip_sharded_grad_norm_([u.flat_param.grad for u in self.units if u.flat_param.grad is not None],
-                                       max_norm, self.group, also)
+        return clip_sharded_grad_norm_(self.gradient_shards(), max_norm, self.group, also)
 
     def flats(self) -> list[Flat]:
         """The trainable flats (what the optimizer steps and a checkpoint holds); a unit whose
@@ -330,7 +333,7 @@ def _flat(layout, shard, slots) -> Flat:
 def wrap_units(module: nn.Module, unit_classes) -> tuple[list, list]:
     """The wrap policy: the outermost modules of the given classes, in registration order, and the
     slots (`_slots`) of each, then the root's (the rest). It reads the module only, so a pipeline's
-    full checkpoint can lay out the units a run without a pipeline makes (`pipeline/checkpoint.run_units`)."""
+    full checkpoint can lay out the units a run without a pipeline makes (`strategy/state/data.run_units`)."""
     unit_modules = {}
     for name, m in module.named_modules():
         if type(m).__name__ in unit_classes and not any(name.startswith(u + ".") for u in unit_modules):

@@ -48,21 +48,19 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from minidist.runtime.distributed import device_mesh
-from minidist.parallel import comm
-from minidist.parallel.flat import collective_device
-
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard")  # torchtitan's names, outer dimension first
 
 
 @dataclass(frozen=True)
-class DataParallelMesh:
-    """The data-parallel ranks of this run, named by dimension (see the module docstring)."""
+class Mesh:
+    """This run's process groups, named by dimension (see the module docstring): the data-parallel
+    ones (`group`, `shard_group`, `replicate_group`, with this rank's `dp_rank` among `dp_size`),
+    and the tensor- and pipeline-parallel ones where the run has them."""
 
     group: dist.ProcessGroup  # every data-parallel rank: DDP all-reduces over it
     shard_group: dist.ProcessGroup  # the ranks that split the model states (ZeRO, FSDP)
-    rank: int  # this rank's index among the data-parallel ranks
-    size: int  # data-parallel ranks: shard_size x replicate_size
+    dp_rank: int  # this rank's index among the data-parallel ranks (not its global rank)
+    dp_size: int  # data-parallel ranks: shard_size x replicate_size
     shard_size: int
     replicate_size: int = 1  # > 1 is HSDP
     replicate_group: dist.ProcessGroup | None = None  # HSDP: the ranks holding the same shard, one per node
@@ -70,11 +68,17 @@ class DataParallelMesh:
     tp_group: dist.ProcessGroup | None = None  # the ranks that cut each layer among themselves, on the same batch
     pp_size: int = 1  # > 1: pipeline parallelism (pipeline/), over pp_group
     pp_group: dist.ProcessGroup | None = None  # the stages of this rank's pipeline, one rank each, in order
+    device_type: str = "cpu"  # where the ranks compute: the DeviceMeshes below are built on it
 
     @property
     def pp_rank(self) -> int:
         """This rank's stage; 0 without a pipeline."""
         return 0 if self.pp_group is None else dist.get_rank(self.pp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group; 0 without tensor parallelism."""
+        return 0 if self.tp_group is None else dist.get_rank(self.tp_group)
 
     @property
     def shard_rank(self) -> int:
@@ -92,8 +96,8 @@ class DataParallelMesh:
         if self.tp_group is not None or self.pp_group is not None:  # the data-parallel dimension of the grid
             return self.grid()["dp_shard"]
         if self.replicate_group is None:
-            return device_mesh()
-        return device_mesh((self.replicate_size, self.shard_size), MESH_DIM_NAMES)
+            return device_mesh(self.device_type)
+        return device_mesh(self.device_type, (self.replicate_size, self.shard_size), MESH_DIM_NAMES)
 
     def tp_device_mesh(self):
         """PyTorch's tensor parallelism (`tensor/reference.py`): the tensor-parallel dimension of the
@@ -103,7 +107,7 @@ class DataParallelMesh:
     def grid(self):
         """The (pp, dp_shard, tp) grid of the module docstring as a `DeviceMesh`, without the
         dimensions of size 1 where there is no pipeline, or no tensor parallelism."""
-        return _grid(self.pp_size, self.size, self.tp_size)
+        return _grid(self.device_type, self.pp_size, self.dp_size, self.tp_size)
 
     def placements(self) -> tuple:
         """How a flat shard sits on `shard_device_mesh()`: Shard(0), and Replicate() first under
@@ -113,14 +117,38 @@ class DataParallelMesh:
         return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
 
 
-def _grid(pp_size: int, dp_size: int, tp_size: int):
+_device_meshes = {}  # (device type, shape, names) -> DeviceMesh, built once: every rank asks in the same order
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
+    """A ``DeviceMesh`` of all ranks for FSDP2 and DCP, 1-D by default (HSDP's is 2-D), on
+    `device_type` ("cuda", or "cpu" for gloo's ranks); made once per device type and shape, and
+    released by `release_device_meshes` when the run leaves its process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = shape or (dist.get_world_size(),)
+    key = device_type, shape, names  # a 2 x 2 grid is (pp, dp_shard) or (dp_shard, tp): named apart
+    if key not in _device_meshes:
+        _device_meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _device_meshes[key]
+
+
+def release_device_meshes() -> None:
+    """Forget every mesh built, and the process groups each holds (before the process group is destroyed)."""
+    for mesh in _device_meshes.values():
+        mesh._pg_registry.clear()  # a private field: the mesh outlives us in DTensor's caches
+    _device_meshes.clear()
+
+
+def _grid(device_type: str, pp_size: int, dp_size: int, tp_size: int):
     dims = [(n, name) for n, name in ((pp_size, "pp"), (dp_size, "dp_shard"), (tp_size, "tp"))
             if n > 1 or name == "dp_shard"]
-    return device_mesh(tuple(n for n, _ in dims), tuple(name for _, name in dims))
+    return device_mesh(device_type, tuple(n for n, _ in dims), tuple(name for _, name in dims))
 
 
-def data_parallel_mesh(shard_size: int | None = None, tp_size: int = 1, pp_size: int = 1) -> DataParallelMesh:
-    """Every rank of the process group is a data-parallel rank (init_distributed must have run).
+def build_mesh(shard_size: int | None = None, tp_size: int = 1, pp_size: int = 1, device_type: str = "cpu") -> Mesh:
+    """This run's groups over every rank of the process group (which must be initialised), the
+    ranks computing on `device_type`. Without tp or pp every rank is a data-parallel rank.
 
     shard_size None: ZeRO and FSDP shard over all of them. Otherwise HSDP: groups of `shard_size`
     consecutive ranks shard, and the ranks at the same place in each group replicate. tp_size > 1
@@ -130,18 +158,18 @@ def data_parallel_mesh(shard_size: int | None = None, tp_size: int = 1, pp_size:
     world = dist.group.WORLD
     size, rank = dist.get_world_size(world), dist.get_rank(world)
     if tp_size > 1 or pp_size > 1:
-        return _model_parallel_mesh(size, rank, tp_size, pp_size)
+        return _model_parallel_mesh(size, rank, tp_size, pp_size, device_type)
     if shard_size is None:
-        return DataParallelMesh(group=world, shard_group=world, rank=rank, size=size, shard_size=size)
+        return Mesh(group=world, shard_group=world, dp_rank=rank, dp_size=size, shard_size=size, device_type=device_type)
     if shard_size < 1 or size % shard_size:
         raise ValueError(f"--hsdp_shard_size must divide the {size} ranks into equal groups, got {shard_size}")
-    mesh = device_mesh((size // shard_size, shard_size), MESH_DIM_NAMES)  # every rank builds every group
-    return DataParallelMesh(group=world, shard_group=mesh.get_group("dp_shard"), rank=rank, size=size,
-                            shard_size=shard_size, replicate_size=size // shard_size,
-                            replicate_group=mesh.get_group("dp_replicate"))
+    mesh = device_mesh(device_type, (size // shard_size, shard_size), MESH_DIM_NAMES)  # every rank builds every group
+    return Mesh(group=world, shard_group=mesh.get_group("dp_shard"), dp_rank=rank, dp_size=size,
+                shard_size=shard_size, replicate_size=size // shard_size,
+                replicate_group=mesh.get_group("dp_replicate"), device_type=device_type)
 
 
-def _model_parallel_mesh(size: int, rank: int, tp_size: int, pp_size: int) -> DataParallelMesh:
+def _model_parallel_mesh(size: int, rank: int, tp_size: int, pp_size: int, device_type: str) -> Mesh:
     """The (pp, dp, tp) grid's groups for this rank (module docstring)."""
     if size % (tp_size * pp_size):
         what = "tensor-parallel groups" if pp_size == 1 else ("pipeline stages" if tp_size == 1 else
@@ -149,25 +177,8 @@ def _model_parallel_mesh(size: int, rank: int, tp_size: int, pp_size: int) -> Da
         flags = " x ".join(f"--{name} {n}" for name, n in (("pp_size", pp_size), ("tp_size", tp_size)) if n > 1)
         raise ValueError(f"{flags} must divide the {size} ranks into equal {what}")
     dp_size = size // (tp_size * pp_size)
-    mesh = _grid(pp_size, dp_size, tp_size)
+    mesh = _grid(device_type, pp_size, dp_size, tp_size)
     dp_group = mesh.get_group("dp_shard")
-    return DataParallelMesh(group=dp_group, shard_group=dp_group, rank=(rank // tp_size) % dp_size, size=dp_size,
-                            shard_size=dp_size, tp_size=tp_size, tp_group=mesh.get_group("tp") if tp_size > 1 else None,
-                            pp_size=pp_size, pp_group=mesh.get_group("pp") if pp_size > 1 else None)
-
-
-def broadcast_from_first_copy(tensors, replicate_group) -> None:
-    """HSDP: the first copy's tensors (replicate rank 0: node 0) onto the other copies, in place.
-
-    Loading cuts the weights once, on rank 0, and scatters them over the first shard group; the
-    other nodes receive their shards from it, one shard per rank, instead of loading the model
-    again. Once, at wrap or load time: not part of a training step's count."""
-    if replicate_group is None or dist.get_world_size(replicate_group) == 1:
-        return
-    src = dist.get_global_rank(replicate_group, 0)
-    for tensor in tensors:
-        device = collective_device(tensor, replicate_group)  # a host shard (--cpu_offload): through the GPU on NCCL
-        sent = tensor.data.to(device)
-        comm.broadcast(sent, src=src, group=replicate_group)
-        if sent is not tensor.data:
-            tensor.data.copy_(sent)
+    return Mesh(group=dp_group, shard_group=dp_group, dp_rank=(rank // tp_size) % dp_size, dp_size=dp_size,
+                shard_size=dp_size, tp_size=tp_size, tp_group=mesh.get_group("tp") if tp_size > 1 else None,
+                pp_size=pp_size, pp_group=mesh.get_group("pp") if pp_size > 1 else None, device_type=device_type)

@@ -30,7 +30,7 @@ from torch import nn
 from minidist.parallel import comm, offload
 from minidist.parallel.flat import FlatLayout, scatter_flat
 from minidist.parallel.frozen import FrozenFlat
-from minidist.parallel.mesh import broadcast_from_first_copy
+from minidist.parallel.comm import broadcast_from_first_copy
 from minidist.parallel.precision import for_reduction
 from minidist.parallel.wrapper import weak_hook
 

@@ -506,9 +506,13 @@ class ZeroDP(DataParallelWrapper):
         for bucket in self.buckets:
             bucket.refresh_weights(self.group)
 
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """This rank's shard of each bucket's gradient."""
+        return [b.own_gradient() for b in self.buckets]
+
     def clip_grad_norm_(self, max_norm: float, also=()) -> torch.Tensor:
         """Clip by the whole gradient's norm (`also`: more groups holding other parts: a pipeline's stages)."""
-        return clip_sharded_grad_norm_([b.own_gradient() for b in self.buckets], max_norm, self.group, also)
+        return clip_sharded_grad_norm_(self.gradient_shards(), max_norm, self.group, also)
 
     def flats(self) -> list[Flat]:
         names = {}

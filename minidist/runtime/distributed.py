@@ -82,6 +82,7 @@ import torch.distributed.nn  # noqa: F401
 from minidist.runtime.allocator import keep_freed_blocks
 from minidist.runtime.errors import UsageError
 from minidist.runtime.roll_call import EVERY_S, RollCall, ranks_named
+from minidist.parallel import mesh
 
 DEFAULT_TIMEOUT_S = 600.0
 # How long the other ranks wait while rank 0 alone reads the weights (`wait_for_rank0`). The
@@ -109,7 +110,6 @@ class DistEnv:
 
 
 _env: DistEnv | None = None  # set by init_distributed, read by get_env
-_meshes: dict = {}  # device_mesh(): one mesh per device type and shape, released by cleanup
 
 
 def find_free_port() -> int:
@@ -358,7 +358,7 @@ def get_env() -> DistEnv:
 def wait_for_rank0(timeout_s: float = LOAD_TIMEOUT_S) -> None:
     """Wait on every rank until rank 0 gets here too: a barrier on the CPU, with its own timeout.
 
-    FSDP reads the weights on rank 0 alone (`parallel/strategy.py`, `load_on_rank0`), and the other
+    FSDP reads the weights on rank 0 alone (`strategy/data.py`, `load_on_rank0`), and the other
     ranks, which only built shapes, would wait for them inside the first collective that sends
     them, under the process group's timeout. So every rank calls this first. The barrier runs on a
     gloo group made for it with a timeout of `timeout_s` (an hour) and destroyed after: gloo,
@@ -373,15 +373,9 @@ def wait_for_rank0(timeout_s: float = LOAD_TIMEOUT_S) -> None:
 
 
 def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
-    """A ``DeviceMesh`` of all ranks for FSDP2 and DCP, 1-D by default (HSDP's is 2-D:
-    `parallel/mesh.py`); made once per device type and shape, released by ``cleanup``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device_type, shape = get_env().device.type, shape or (dist.get_world_size(),)
-    key = device_type, shape, names  # a 2 x 2 grid is (pp, dp_shard) or (dp_shard, tp): named apart
-    if key not in _meshes:  # every rank asks for the same meshes in the same order
-        _meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return _meshes[key]
+    """`parallel/mesh.device_mesh` on this rank's device type: a ``DeviceMesh`` of all ranks for
+    FSDP2 and DCP, 1-D by default, made once per shape and released by ``cleanup``."""
+    return mesh.device_mesh(get_env().device.type, shape, names)
 
 
 def cleanup() -> None:
@@ -390,9 +384,7 @@ def cleanup() -> None:
     No barrier: a rank that fails must not wait here. After a run that finished, no collective is
     outstanding: the strategies wait for every handle before a step ends."""
     global _env
-    for mesh in _meshes.values():
-        mesh._pg_registry.clear()  # a private field: the mesh outlives us in DTensor's caches
-    _meshes.clear()
+    mesh.release_device_meshes()  # and the groups each DeviceMesh holds
     # A wrapped model that is garbage but sits in a reference cycle (hooks refer back to their
     # module) still holds the group until the cycle collector runs: run it now, not at shutdown.
     gc.collect()

@@ -8,8 +8,8 @@ Llama alone, and each is caught after the step that shows it:
 - **Stuck at guessing.** The loss sits at ln(vocabulary size), the loss of the uniform distribution,
   with a gradient norm of 0, for `STUCK_STEPS` steps in a row (`--learning_rate 1e6`: the weights
   saturate every normalisation and softmax, the model outputs the same flat distribution whatever
-  it reads, and no gradient flows back; nothing is ever nan, and the run used to save that state as
-  its fine-tuned model). An untrained model starts near ln(vocabulary size) too, but with a gradient.
+  it reads, and no gradient flows back; nothing is ever nan, so a run that watched for nan alone would save
+  that state as its fine-tuned model). An untrained model starts near ln(vocabulary size) too, but with a gradient.
 - **Far above its running level.** After warm-up, a loss more than `SPIKE_FACTOR` times its running
   level, and more than `SPIKE_NATS` above it, where the running level is an exponential moving
   average of the losses before (`LEVEL_WEIGHT` for the newest). A healthy run's loss falls steeply
@@ -19,7 +19,7 @@ Llama alone, and each is caught after the step that shows it:
   first two forms are judged there.
 
 `Watch.see` reads only the loss and gradient norm the loop has already read to the host for its
-record: it adds no wait for the device (`finetune.HOST_SYNCS_PER_STEP`). The ranks vote on what
+record: it adds no wait for the device (`runtime/host_syncs.HOST_SYNCS_PER_STEP`). The ranks vote on what
 their watches saw in the stop vote (`checkpoint/preemption.py`), and the session then keeps the
 last checkpoint saved before the divergence (`checkpoint/session.py`).
 """

@@ -48,6 +48,22 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The times one optimizer step of the loop may make the host wait for the device in our code, whatever
+# the number of micro-batches: each is a value the CPU needs now (this module counts them,
+# tests/loop/test_host_syncs.py holds the loop to this). Everything else stays on the device, each
+# micro-batch's loss too (step.train_step adds them there), and the gradient norm, which clipping
+# needs only on the device. All come after the device has finished the step (on a GPU the loop waits
+# for it there, to time it: torch.cuda.synchronize, no aten op, not counted): none in the middle.
+HOST_SYNCS_PER_STEP = {
+    # the global batch's loss, summed over ranks, for the log line, and the gradient norm clipping
+    # scaled by on the device, for the record: read together, after the step
+    "loss and gradient norm": 1,
+    "memory by rank": 1,  # every rank's figures for the record, in one read (memory/measure.gather)
+    "bytes across nodes by rank": 1,  # every rank's, in one read (parallel/across_nodes.take_split)
+    "stop vote": 1,  # did any rank get a stop signal, or diverge? (checkpoint/preemption.StopSignals.agreed)
+}
+
+
 aten = torch.ops.aten
 # Ops whose result the CPU needs at once: a number, a yes or no, or a shape that depends on the values.
 READS_A_VALUE = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero, aten.masked_select,

@@ -16,10 +16,10 @@ Three details make this reliable:
   Windows keep ``spawn``, a fresh interpreter per rank: see ``_START_METHOD``.) Either way the
   child *imports* the worker function by name, which is why the function must live in an
   importable ``.py`` module, not a notebook cell. Why not a fresh interpreter per rank on Linux
-  too, as before? Each would import torch again: 3 to 3.5 s of CPU per rank; on a shared 2-core
+  too? Each would import torch again: 3 to 3.5 s of CPU per rank; on a shared 2-core
   machine a 2-rank launch of a worker that does nothing took 21 to 24 s that way, 0.9 s from the
   server. The child takes the caller's environment as it is at ``launch`` (the server's is from
-  when it started), so a variable set in a notebook cell reaches the ranks as before.
+  when it started), so a variable set in a notebook cell reaches the ranks as it would reach a fresh interpreter.
 - *one pipe per rank, watched together with the processes.* The parent waits on all pipes at
   once (``multiprocessing.connection.wait``), reading each message as soon as it arrives, so a
   child sending a large result never blocks on a full pipe; a child that dies without a word

@@ -29,8 +29,8 @@ from minidist.chess.games import bundled_games
 from minidist.runtime.distributed import cleanup, get_env, init_distributed
 from minidist.runtime.errors import UsageError
 from minidist.hf.models import load_model
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 from in_process import run_here_in_one_line as run_here  # a run that fails says why in one line
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,7 +34,7 @@ from interrupted import few_games
 from test_tensor_parallel_checkpoints import assert_same  # losses and weights: bitwise, or within 1e-5
 from train_workers import run_finetunes, run_finetunes_then_refusal
 
-from minidist.parallel.pipeline.checkpoint import check_layout
+from minidist.strategy.state.pipeline import check_layout
 from minidist.runtime.errors import UsageError
 from minidist.runtime.launch import launch
 
@@ -209,11 +209,11 @@ def test_a_sharded_checkpoint_of_pp_x_tp_x_the_hand_fsdp_resumes_bitwise(runs4):
 
 
 def test_a_sharded_zero1_checkpoint_of_another_layout_is_refused_in_one_line():
-    check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=2, size=1))
+    check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=2, dp_size=1))
     with pytest.raises(UsageError, match=r"written at --pp_size 2 on 1 data-parallel ranks, and this run has 4 on 1"):
-        check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=4, size=1))
+        check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=4, dp_size=1))
     with pytest.raises(UsageError, match=r"written at --pp_size 2 on 1 data-parallel ranks, and this run has 2 on 2"):
-        check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=2, size=2))
+        check_layout(torch.tensor([2, 1]), SimpleNamespace(pp_size=2, dp_size=2))
 
 
 def test_a_sharded_zero1_checkpoint_resumed_without_a_pipeline_is_refused_in_one_line(runs):

@@ -15,8 +15,8 @@ import torch
 
 from minidist.checkpoint import output_dir, state
 from minidist.hf.models import load_model
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 from minidist.runtime.distributed import cleanup, init_distributed
 
 RUN = {"model": {}, "strategy": "torch/fsdp", "global_batch_size": 4, "seed": 0, "num_examples": 2}

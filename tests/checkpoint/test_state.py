@@ -25,8 +25,8 @@ from train_workers import run_finetunes
 from minidist import finetune
 from minidist.checkpoint import preemption, state
 from minidist.hf.models import load_model, load_tokenizer, write_tiny_llama
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 from minidist.runtime.distributed import cleanup, init_distributed
 from minidist.runtime.launch import launch
 

@@ -20,7 +20,7 @@ import torch
 from interrupted import few_games
 from train_workers import run_finetunes_then_refusal
 
-from minidist.parallel.tensor.checkpoint import check_layout
+from minidist.strategy.state.tensor import check_layout
 from minidist.runtime.errors import UsageError
 from minidist.runtime.launch import launch
 
@@ -118,9 +118,9 @@ def test_a_full_checkpoint_of_tp_2_resumes_at_another_tp_size(runs, strategy, tp
 
 
 def test_a_sharded_checkpoint_of_another_layout_is_refused_in_one_line():
-    check_layout(torch.tensor([2, 1]), SimpleNamespace(tp_size=2, size=1))
+    check_layout(torch.tensor([2, 1]), SimpleNamespace(tp_size=2, dp_size=1))
     with pytest.raises(UsageError, match=r"written at --tp_size 2 on 1 data-parallel ranks, and this run has 4 on 1"):
-        check_layout(torch.tensor([2, 1]), SimpleNamespace(tp_size=4, size=1))
+        check_layout(torch.tensor([2, 1]), SimpleNamespace(tp_size=4, dp_size=1))
 
 
 def test_a_sharded_fsdp_checkpoint_resumed_at_another_tp_size_is_refused_in_one_line(runs):

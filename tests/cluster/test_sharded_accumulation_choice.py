@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from minidist import finetune
-from minidist.parallel.options import ParallelOptions
+from minidist.strategy.options import ParallelOptions
 
 SLURM = Path(__file__).resolve().parents[2] / "slurm"
 SCRIPT, LIBRARY = SLURM / "chess_finetune.sh", SLURM / "allocation.sh"

@@ -531,8 +531,8 @@ def summed_token_loss(model, batch):
 
 def check_accumulation(load_solution) -> list[str]:
     from minidist.runtime.distributed import get_env
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import MinidistDDP
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import MinidistDDP
 
     n, rank = dist.get_world_size(), dist.get_rank()
     train_step = load_solution().train_step
@@ -595,7 +595,7 @@ def check_accumulation(load_solution) -> list[str]:
 
 # ---------------------------------------------------------------------------------- 04: ZeRO-2's step
 def check_zero2_step(load_solution) -> list[str]:
-    from minidist.parallel.options import ADAMW_OPTIONS
+    from minidist.strategy.options import ADAMW_OPTIONS
     from minidist.parallel.precision import MixedPrecision
     from minidist.parallel.zero import ShardedOptimizer, ZeroDP
 

@@ -43,7 +43,7 @@ def reference(tiny_model, runs):
     """Losses and final weights of a plain single-process run on a global batch of 4, of the runs' games."""
     args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
     losses, parameters, _ = train_reference(tiny_model, steps=STEPS, global_batch=4, seq_len=SEQ, lr=LR, seed=SEED,
-                                            lr_lambda=lambda s: lr_schedule(s, args), data=runs[0] / "games.jsonl")
+                                            lr_lambda=lambda s: lr_schedule(s, args.warmup_steps, args.max_steps), data=runs[0] / "games.jsonl")
     return losses, parameters
 
 
@@ -218,7 +218,7 @@ def test_bad_input_ends_with_one_line(tiny_model, tmp_path, capsys, argv, expect
 def test_the_help_gives_the_defaults_the_strategies_use(capsys):
     """Options that default to None ("not given") name in their help the value the strategy then
     uses, read from `ParallelOptions.DEFAULTS`, the one place that holds it."""
-    from minidist.parallel.options import ParallelOptions
+    from minidist.strategy.options import ParallelOptions
 
     with pytest.raises(SystemExit):
         finetune.parse_args(["--help"])

@@ -1,4 +1,4 @@
-"""The loop's budget of host synchronisations per optimizer step (`finetune.HOST_SYNCS_PER_STEP`).
+"""The loop's budget of host synchronisations per optimizer step (`runtime/host_syncs.HOST_SYNCS_PER_STEP`).
 
 On a GPU every `.item()`, `float(tensor)`, `if tensor:` or `.tolist()` makes the CPU wait until
 the GPU has finished all it was given; on a CPU it costs nothing, so nobody notices. Here
@@ -17,7 +17,7 @@ from train_workers import count_host_syncs
 from minidist import step
 from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
-from minidist.finetune import HOST_SYNCS_PER_STEP
+from minidist.runtime.host_syncs import HOST_SYNCS_PER_STEP
 from minidist.runtime.distributed import cleanup
 from minidist.runtime.host_syncs import HostSyncs
 from minidist.runtime.launch import launch

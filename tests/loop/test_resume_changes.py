@@ -94,8 +94,8 @@ def test_an_explicit_learning_rate_on_resume_rescales_the_schedule_and_says_so(t
     assert "--learning_rate 0.0005 on resume: the saved schedule's peak 0.002 is rescaled to it" in said, said
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
-    assert lrs[0] == pytest.approx(2e-3 * lr_schedule(0, args))  # step 1, before the resume: the old peak
-    assert lrs[1:] == pytest.approx([5e-4 * lr_schedule(s, args) for s in (1, 2)])  # after it: the new peak
+    assert lrs[0] == pytest.approx(2e-3 * lr_schedule(0, args.warmup_steps, args.max_steps))  # step 1, before the resume: the old peak
+    assert lrs[1:] == pytest.approx([5e-4 * lr_schedule(s, args.warmup_steps, args.max_steps) for s in (1, 2)])  # after it: the new peak
 
 
 def test_another_max_steps_on_resume_trains_on_to_it_and_says_so(tiny_model, games, tmp_path, monkeypatch, capsys):
@@ -121,9 +121,9 @@ def test_another_max_steps_on_resume_trains_on_to_it_and_says_so(tiny_model, gam
     finetune.main(longer)  # steps 4 and 5; checkpoint-3 was written with 5: nothing to announce
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     three, five = (type("Args", (), {"warmup_steps": 1, "max_steps": n}) for n in (3, 5))
-    assert lrs[:2] == pytest.approx([2e-3 * lr_schedule(s, three) for s in (0, 1)])  # steps 1, 2: before
-    assert lrs[2:] == pytest.approx([2e-3 * lr_schedule(s, five) for s in (2, 3, 4)])  # steps 3-5: the new schedule
-    assert lr_schedule(2, three) != pytest.approx(lr_schedule(2, five))  # so the test can tell them apart
+    assert lrs[:2] == pytest.approx([2e-3 * lr_schedule(s, three.warmup_steps, three.max_steps) for s in (0, 1)])  # steps 1, 2: before
+    assert lrs[2:] == pytest.approx([2e-3 * lr_schedule(s, five.warmup_steps, five.max_steps) for s in (2, 3, 4)])  # steps 3-5: the new schedule
+    assert lr_schedule(2, three.warmup_steps, three.max_steps) != pytest.approx(lr_schedule(2, five.warmup_steps, five.max_steps))  # so the test can tell them apart
 
     shorter = common(tiny_model, games["games"], out, "--resume", str(out / "checkpoint-3"))
     shorter[shorter.index("--max_steps") + 1] = "2"
@@ -139,7 +139,7 @@ def test_a_resume_without_learning_rate_keeps_the_saved_schedule(tiny_model, gam
     assert code == 0, err
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
-    assert lrs == pytest.approx([2e-3 * lr_schedule(s, args) for s in range(3)])
+    assert lrs == pytest.approx([2e-3 * lr_schedule(s, args.warmup_steps, args.max_steps) for s in range(3)])
 
 
 def test_a_wider_gpt2_is_refused_in_one_line_naming_its_size(games, tmp_path, monkeypatch, capsys):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from minidist.memory import measure
 from minidist.memory.pipeline import HeldActivations
-from minidist.parallel.options import ADAMW_OPTIONS
+from minidist.strategy.options import ADAMW_OPTIONS
 from minidist.parallel.pipeline import schedules, stages
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))  # the pipeline tests' model and batch

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from minidist import finetune
 from minidist import step as loop_step
 from minidist.memory import measure, trace
-from minidist.parallel.options import ADAMW_OPTIONS
+from minidist.strategy.options import ADAMW_OPTIONS
 from minidist.parallel.tensor import llama, vocab
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))  # the tensor tests' model and batch

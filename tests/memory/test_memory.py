@@ -23,8 +23,8 @@ from minidist.memory import estimator, measure, report, trace
 from minidist.step import token_loss_sum
 from minidist.runtime.launch import launch
 from minidist.hf.models import load_model, write_tiny_llama
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import Strategy, TorchDDP
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import Strategy, TorchDDP
 
 SEQ, BATCH = 32, 2  # every game is longer than 32 tokens: full, unpadded micro-batches
 

@@ -7,8 +7,8 @@ from torch.autograd.profiler import record_function
 
 from minidist.bench import timeline
 from minidist.runtime.distributed import get_env
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 
 
 def traced_step(model_dir: str, trace: str, strategy_name: str, prefetch: bool = True, **options) -> None:

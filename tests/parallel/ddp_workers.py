@@ -114,8 +114,8 @@ def _train_ddp(model_dir, variant, dtype, tokenizer, sequences, sampler, micro_b
     from train_workers import train_steps
 
     from minidist.hf import models
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     torch.manual_seed(env.rank)

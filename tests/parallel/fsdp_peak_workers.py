@@ -6,8 +6,8 @@ from transformers import LlamaForCausalLM
 
 from minidist.hf import models
 from minidist.memory.measure import step_peak
-from minidist.parallel.options import ParallelOptions
-from minidist.parallel.strategy import get_strategy
+from minidist.strategy.options import ParallelOptions
+from minidist.strategy import get_strategy
 from minidist.runtime.distributed import get_env
 
 

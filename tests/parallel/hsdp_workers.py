@@ -17,8 +17,8 @@ def one_step_bytes(model_dir, strategies, seq_len=32, micro_batches=1, **options
     from minidist.chess import jsonl
     from minidist.chess.games import bundled_games
     from minidist.hf import models
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
     from minidist.step import train_step
 
     env = get_env()

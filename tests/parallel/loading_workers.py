@@ -19,8 +19,8 @@ def load_and_report(model_dir, impl, strategy_name, slow_s=0.0):
     is still the embedding (PyTorch's FSDP2, where the parameters stay attributes), and the logits
     of a fixed sequence."""
     import transformers.modeling_utils as hf_modeling  # before the first collective: see below
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     reads, real_open = [], hf_modeling.safe_open

@@ -11,7 +11,7 @@ import shutil
 import torch
 
 from minidist import finetune
-from minidist.parallel import strategy as strategies
+from minidist import strategy as strategies
 
 
 def run_lora_finetunes(argvs, nccl_like=()):

@@ -12,8 +12,8 @@ from minidist.runtime.distributed import get_env
 
 def _wrapped(model_dir, strategy, mixed_precision, cpu_offload, bucket_cap_mb=0.05):
     from minidist.hf import models
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     options = {"bucket_cap_mb": bucket_cap_mb} if strategy not in ("fsdp", "hsdp") else {}
     impl = get_strategy(ParallelOptions(strategy, "minidist", mixed_precision=mixed_precision,

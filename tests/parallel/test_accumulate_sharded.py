@@ -23,7 +23,7 @@ from zero_fsdp_workers import run_plan, variant_name
 
 from minidist.hf import models
 from minidist.memory import estimator
-from minidist.parallel.options import ParallelOptions
+from minidist.strategy.options import ParallelOptions
 from minidist.runtime.launch import launch
 
 GLOBAL_BATCH, STEPS, SEQ, LR, ACCUM = 16, 2, 48, 3e-3, 2

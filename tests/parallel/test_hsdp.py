@@ -58,7 +58,7 @@ def games(tmp_path_factory):
 def reference(tiny_model, games):
     args = finetune.parse_args(["--max_steps", str(STEPS), "--warmup_steps", "2"])
     losses, parameters, _ = train_reference(tiny_model, steps=STEPS, global_batch=GLOBAL_BATCH, seq_len=SEQ, lr=LR,
-                                            seed=SEED, lr_lambda=lambda s: lr_schedule(s, args), data=games)
+                                            seed=SEED, lr_lambda=lambda s: lr_schedule(s, args.warmup_steps, args.max_steps), data=games)
     return losses, parameters
 
 

@@ -76,7 +76,7 @@ def references(tiny_model, games):
         config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets if isinstance(targets, str)
                             else list(targets), task_type="CAUSAL_LM")
         losses, state, trained = train_reference(tiny_model, steps=STEPS, global_batch=4, seq_len=SEQ, lr=LR, seed=SEED,
-                                                 lr_lambda=lambda s: lr_schedule(s, args), lora_config=config,
+                                                 lr_lambda=lambda s: lr_schedule(s, args.warmup_steps, args.max_steps), lora_config=config,
                                                  data=games)
         out[targets if isinstance(targets, str) else "attention"] = losses, state, trained
     return out

@@ -206,8 +206,8 @@ def planted_in_strategies(model_dir) -> dict:
     zeroes each gradient bucket right after launching its reduce-scatter (reusing it too early),
     and FSDP computes with a unit whose all-gather it never waited for."""
     from minidist.hf import models
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(env.rank))

@@ -112,7 +112,7 @@ def test_a_sharded_checkpoint_leaves_host_shards_on_the_host(world_of_one):
 
     model, optimizer = offloaded_zero()
     cuda_mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)  # what NCCL ranks save on
-    mesh = SimpleNamespace(rank=0, size=1, shard_rank=0, shard_group=model.group, replicate_rank=0,
+    mesh = SimpleNamespace(dp_rank=0, dp_size=1, shard_rank=0, shard_group=model.group, replicate_rank=0,
                            replicate_group=None, tp_size=1, tp_group=None, shard_device_mesh=lambda: cuda_mesh,
                            placements=lambda: (Shard(0),))
     model_sd, optim_sd = flat_state.get_state_dict(model, optimizer, False, world_of_one, mesh)

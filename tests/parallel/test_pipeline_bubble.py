@@ -1,4 +1,4 @@
-"""The bubble of a pipeline, measured (`minidist/parallel/pipeline/bubble.py`): a real run on CPU
+"""The bubble of a pipeline, measured (`minidist/bench/bubble.py`): a real run on CPU
 ranks, GPipe and 1F1B, m = 1, 2, 4 and 8 micro-batches of one sequence each, on 2 stages and on 4;
 each stage's measured work per action replayed on a core per stage, its idle share of the step
 against (p - 1) / (m + p - 1). A table that runs one micro-batch at a time through the stages idles
@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import pipeline_workers
 import pytest
 
-from minidist.parallel.pipeline import bubble, executor, schedules, stages
+from minidist.bench import bubble
+from minidist.parallel.pipeline import executor, schedules, stages
 from minidist.runtime.launch import launch
 
 # Micro-batches of one sequence, the same work per action whatever m (the formula's setting), on a

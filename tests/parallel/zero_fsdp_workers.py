@@ -84,8 +84,8 @@ def train_variant(model_dir, tokenizer, sequences, sampler, micro_batch, lr, buc
     agree with the single-process reference."""
     from minidist.hf import models
     from minidist.memory import measure
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
     from train_workers import train_steps
 
     env = get_env()
@@ -140,7 +140,7 @@ def sharded_optimizer_matches_its_inner_optimizer(steps=5):
 
     from torch import nn
 
-    from minidist.parallel.options import ADAMW_BETAS
+    from minidist.strategy.options import ADAMW_BETAS
     from minidist.parallel.zero import ShardedOptimizer
 
     env = get_env()
@@ -180,8 +180,8 @@ def fsdp_full_gradients_alive_at_once(model_dir, collectives_keep_inputs=False):
 
     from minidist.hf import models
     from minidist.parallel import fsdp
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     alive, most, kept = [], 0, []
@@ -221,8 +221,8 @@ def zero2_flat_gradients_alive_at_once(model_dir):
     backward but is packed before its attention weights."""
     from minidist.hf import models
     from minidist.parallel import zero
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     model = models.load_model(model_dir)
@@ -254,8 +254,8 @@ def flats_alive_while_saving(model_dir):
     from minidist.hf import models
     from minidist.parallel import flat_state
     from minidist.parallel import flat
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
 
     env = get_env()
     results = {}

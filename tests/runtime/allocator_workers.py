@@ -50,8 +50,8 @@ def fsdp_gather_faults(hidden_size: int, gathers: int, measured: int) -> dict:
     from transformers import LlamaForCausalLM
 
     from minidist.hf import models
-    from minidist.parallel.options import ParallelOptions
-    from minidist.parallel.strategy import get_strategy
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy import get_strategy
     from minidist.runtime.distributed import get_env
 
     torch.manual_seed(0)

@@ -13,9 +13,9 @@ Read in this order: `stages.py` (where the model is cut, and what each stage com
 `p2p.py` (what crosses a cut, how its shape is known, and which sends and receives are posted
 together, as NCCL needs), `schedules.py` (GPipe and 1F1B as plain lists of actions), `executor.py`
 (one loop that runs any such list, after checking that it cannot deadlock, on gloo's rule and on
-NCCL's), `bubble.py` (the idle time, measured from the executor's timeline), then
-`loop.py` (what the training loop does differently under `--pp_size`), `generate.py` (greedy
-decoding through the stages, for the legal-move rate) and `reference.py` (PyTorch's own
-`torch.distributed.pipelining` around the same stages, `--impl torch`). Nothing is imported
-here: each module is imported by its own name.
+NCCL's), then `generate.py` (greedy decoding through the stages, for the legal-move rate) and
+`reference.py` (PyTorch's own `torch.distributed.pipelining` around the same stages, `--impl
+torch`). What the training loop does differently under `--pp_size` is the pipeline axis,
+`strategy/pipeline.py`; the bubble, measured from the executor's timeline, is `bench/bubble.py`.
+Nothing is imported here: each module is imported by its own name.
 """

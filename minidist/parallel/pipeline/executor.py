@@ -43,18 +43,18 @@ when the receive for it is in the peer's head post, and a post is done, and leav
 all its operations are. A host posts in its plan's order and waits for each post that has a
 receive (the next computation needs the data). A real host may post further ahead (NCCL's wait
 blocks the device, not the host); that can only bring a post to its queue's head sooner, so a
-plan that finishes here finishes there too. The former order, every send and receive alone,
-deadlocks under this rule in 1F1B for m >= 2; the paired order finishes for GPipe and 1F1B
+plan that finishes here finishes there too. Every send and receive posted alone deadlocks under
+this rule in 1F1B for m >= 2; the paired order finishes for GPipe and 1F1B
 (`tests/parallel/test_pipeline_nccl_order.py`, which also records that the executor posts exactly
 the plan played). Pairing is not enough for every table gloo runs: if stage 0 runs forwards ahead
 while stage 1 already alternates, stage 1's paired post waits for stage 0's receive of a gradient,
 queued behind a send that waits for stage 1's next post. `Executor.step` plays its plans first, and
 refuses such a table in one line; with `paired = False` it posts each operation alone again, and
 refuses 1F1B.
-**Still checked on CPU ranks (gloo) only**: nothing here has run on NCCL or a GPU. On gloo,
-`batch_isend_irecv` posts each operation in turn, and the pairing changes no result. On NCCL,
-PyTorch's note on `batch_isend_irecv` asks that a group's first batched call involve all its
-ranks: every stage's first post is batched, so each takes part (not yet seen on NCCL).
+On gloo, `batch_isend_irecv` posts each operation in turn, and the pairing changes no result. On
+NCCL, PyTorch's note on `batch_isend_irecv` asks that a group's first batched call involve all its
+ranks: every stage's first post is batched, so each takes part. (Which devices this has run on:
+README's "What has run on GPUs".)
 
 **The timeline: when each action computed.** After a step, `timeline` lists this rank's actions
 as `(kind, i, start, end)`, in seconds from the step's start, and `step_time` is when the step
@@ -68,7 +68,7 @@ the parity is the same with or without anyone reading it.
 The clock is the host's (`time.perf_counter`). On CPU that is when the work ran; on CUDA the host
 only queues kernels and runs ahead, so on a CUDA device every reading first waits for the device
 (`torch.cuda.synchronize`), which costs the overlap of a send with the next computation. So the
-training loop turns it off (`synchronize = False`, `pipeline/loop.py`): its timeline on a GPU then
+training loop turns it off (`synchronize = False`, `strategy/pipeline.py`): its timeline on a GPU then
 says when the host queued each action, not when it ran.
 
 **`no_sync`: gradients reduced once per step.** Under data parallelism a wrapper reduces the

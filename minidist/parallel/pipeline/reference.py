@@ -59,7 +59,7 @@ stage over the pipeline group. Nothing here changes for it: what crosses a cut i
 and the embedding end in an all-reduce), so the shapes told above still hold; the gradient sent back
 is whole too (the block's entry all-reduces it, Megatron's f). The last stage's loss comes from the
 logits cut by vocabulary, under `loss_parallel()`, which the strategy holds around the whole schedule
-(`strategy.Strategy.pipeline_step`): the schedule runs the forwards and the backwards inside `step`,
+(`strategy/pipeline.Pipeline.step`): the schedule runs the forwards and the backwards inside `step`,
 and DTensor's loss needs the context for both (left out, the first forward raised "aten.nll_loss_forward
 .default got mixed torch.Tensor and DTensor": seen).
 

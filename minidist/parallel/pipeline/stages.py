@@ -6,7 +6,7 @@ layers, the final norm, the head and the loss; the stages between hold decoder l
 the model's) and keeps them under the names they had there: stage 1 of 2 on a 4-layer Llama holds
 `model.layers.2.…`, `model.layers.3.…`, `model.norm.weight` and `lm_head.weight`. So a stage's
 state dict, its optimizer state and its checkpoint shards are keyed as the whole model's, and the
-stages' dicts together are the whole model's (`pipeline/loop.py` joins them for the final model
+stages' dicts together are the whole model's (`strategy/pipeline.py` joins them for the final model
 and a full checkpoint, which then loads at any pp size). The caller then drops the model, and the
 other stages' layers go with it.
 

@@ -38,7 +38,7 @@ model asks for:
   (`use_local_output=True`, the default), and Hugging Face's attention, which reshapes with -1
   heads, runs on them unchanged, as with the hand-written linears.
 
-What we found in torch 2.13, on CPU ranks with gloo (all of it runs there; nothing needed a GPU):
+What torch 2.13 does here, on CPU ranks with gloo (all of it runs there; nothing needs a GPU):
 
 - **The vocabulary need not divide.** DTensor shards unevenly, as `torch.chunk` does: 1,975 tokens
   over 2 ranks are 988 and 987 rows, over 4 three of 494 and one of 493. `ColwiseParallel`,

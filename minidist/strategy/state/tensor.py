@@ -24,7 +24,7 @@ and this module makes both out of the slices:
   slice too, but that is not tested, so `check_layout` refuses it).
 
 - **full**: exactly what the same strategy writes without tensor parallelism: the weights whole by
-  name (`whole.whole_weights` joins the slices, the padding dropped) in a `from_pretrained` folder,
+  name (`whole_weights` joins the slices, the padding dropped) in a `from_pretrained` folder,
   and the moments whole too (DDP: by parameter name, as `torch.distributed.checkpoint.state_dict`
   writes them; FSDP: one whole flat per unit, laid out as a tp 1 run lays it out). So it loads at
   any tp size, 1 included (a run without `--tp_size`, which reads it with the code it always had),
@@ -42,13 +42,34 @@ planner stops first, since the rows it would read have another shape than the on
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.flat import collective_device
+from minidist.parallel.comm import collective_device
 from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats, stage_grid
 from minidist.parallel.tensor.vocab import padded_vocab_size
-from minidist.parallel.tensor.whole import whole_weights
 from minidist.runtime.errors import UsageError
 
 LAYOUT = "tensor_parallel_layout"  # a sharded checkpoint's (tp size, data-parallel ranks)
+
+
+# ---------------------------------------------------------------- slices joined into whole tensors
+def whole_weights(state: dict[str, torch.Tensor], cut: dict[str, tuple[int, int | None]], group) -> dict:
+    """Every rank's slices of `state` (this rank's weights, by name, on the CPU) joined along the
+    dimension each was cut, the vocabulary's padding dropped: the whole model's weights, on every
+    rank of `group`, one tensor at a time. Outside any training step, so not counted as a step's
+    bytes (`dist` directly, not `comm`)."""
+    n = dist.get_world_size(group)
+    whole = {}
+    for name, tensor in state.items():
+        if name not in cut:
+            whole[name] = tensor
+            continue
+        dim, real = cut[name]
+        device = collective_device(tensor, group)  # NCCL gathers GPU tensors only
+        slices = tensor.to(device).contiguous()
+        gathered = slices.new_empty((n, *slices.shape))
+        dist.all_gather_into_tensor(gathered.view(-1), slices.view(-1), group=group)  # flat: as gloo wants
+        joined = torch.cat(gathered.unbind(0), dim=dim)
+        whole[name] = (joined if real is None else joined.narrow(dim, 0, real)).to(tensor.device)
+    return whole
 
 
 # ---------------------------------------------------------------- slices as parts of whole tensors
@@ -95,7 +116,7 @@ def slices_from_rank0(whole: dict | None, cut_of, group, tp_group, wanted=None) 
 
 
 def joined_on_rank0(tensors: dict, cut: dict, group) -> dict:
-    """`whole.whole_weights` one tensor at a time, each kept by the first rank of `group` alone (rank
+    """`whole_weights` one tensor at a time, each kept by the first rank of `group` alone (rank
     0, or under a pipeline its stage's first): the other ranks of `group` hold one whole tensor at a
     time, not the whole state (81 GB for CodeLlama-7b with AdamW)."""
     kept = {}
@@ -109,7 +130,7 @@ def joined_on_rank0(tensors: dict, cut: dict, group) -> dict:
 
 def layout(mesh) -> torch.Tensor:
     """What a sharded checkpoint records of the run's layout (`LAYOUT`): its tp size, its data-parallel ranks."""
-    return torch.tensor([mesh.tp_size, mesh.size])
+    return torch.tensor([mesh.tp_size, mesh.dp_size])
 
 
 def check_layout(saved: torch.Tensor, mesh) -> None:
@@ -117,22 +138,16 @@ def check_layout(saved: torch.Tensor, mesh) -> None:
     or number of data-parallel ranks: not tested, so not offered, though DCP could cut a DDP slice
     or a flat's row anew for another number of data-parallel ranks."""
     tp, dp = saved.tolist()
-    if (tp, dp) != (mesh.tp_size, mesh.size):
+    if (tp, dp) != (mesh.tp_size, mesh.dp_size):
         raise UsageError(f"this sharded checkpoint was written at --tp_size {tp} on {dp} data-parallel ranks, and "
-                         f"this run has {mesh.tp_size} on {mesh.size}: a sharded checkpoint of tensor parallelism "
+                         f"this run has {mesh.tp_size} on {mesh.dp_size}: a sharded checkpoint of tensor parallelism "
                          f"resumes at its own layout; resume with that layout, or save with --checkpoint_format full")
 
 
 # ---------------------------------------------------------------- DDP: a model every data-parallel rank holds
-def replicated_state_dict(module, optimizer, full: bool, cut: dict, mesh) -> tuple[dict, dict]:
-    """The state of a cut model that DDP replicates (`module`, unwrapped), keyed by parameter name as
-    PyTorch's state-dict helpers key it. Sharded: the slices as DTensors; full: joined, on rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)  # this rank's own tensors, by name
-    if full:
-        weights, optim_sd = joined_over_tp(model_sd, optim_sd, cut, mesh)
-        return (weights, optim_sd) if dist.get_rank() == 0 else ({}, {})
+def sliced_state_dict(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dict, dict]:
+    """This rank's state of a cut model that DDP replicates, keyed by parameter name as PyTorch's
+    state-dict helpers key it, with each slice shown as its part of the whole tensor (a DTensor)."""
     model_sd = {name: sliced(t, cut[name][0], mesh) if name in cut else t for name, t in model_sd.items()}
     # New dicts: the optimizer's own per-parameter dicts are the ones `state` holds, and must keep plain tensors.
     optim_sd["state"] = {name: {**state, **{m: sliced(state[m], cut[name][0], mesh) for m in MOMENTS}}
@@ -142,9 +157,9 @@ def replicated_state_dict(module, optimizer, full: bool, cut: dict, mesh) -> tup
 
 def joined_over_tp(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dict, dict]:
     """The whole weights and moments on the CPU of tp rank 0 of data-parallel rank 0 (rank 0, or under
-    a pipeline each stage's first rank, which `pipeline/checkpoint.py` then joins), from the slices of
+    a pipeline each stage's first rank, which `state/pipeline.py` then joins), from the slices of
     the tp ranks of data-parallel rank 0 (the others hold the same); {} elsewhere."""
-    if mesh.rank != 0:
+    if mesh.dp_rank != 0:
         return {}, {}
     cpu = {name: t.detach().to("cpu", copy=True) for name, t in model_sd.items()}
     weights = joined_on_rank0(cpu, cut, mesh.tp_group)
@@ -158,22 +173,21 @@ def joined_over_tp(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dic
     return weights, {"state": state, "param_groups": optim_sd["param_groups"]}
 
 
-def load_replicated(module, optimizer, model_sd: dict, optim_sd: dict, full: bool, cut: dict, mesh) -> None:
-    """Load what `replicated_state_dict` gave (sharded: after DCP filled it), or a full checkpoint of
-    any tp size, whose whole tensors rank 0 holds (the others pass {}): every rank keeps its slices."""
-    from torch.distributed.checkpoint import state_dict as dsd
+def own_slices(model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple[dict, dict]:
+    """A full checkpoint of any tp size (whole tensors by name, on rank 0; the others pass {}) as this
+    rank's slices of each weight and moment, every rank receiving them from rank 0."""
+    model_sd = slices_from_rank0(model_sd if dist.get_rank() == 0 else None, cut.get, None, mesh.tp_group)
+    return model_sd, _sliced_optimizer(optim_sd, cut, mesh)
+
+
+def local_slices(model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """What DCP filled into `sliced_state_dict`'s DTensors, as the plain slices the model holds."""
     from torch.distributed.tensor import DTensor
 
-    if full:
-        model_sd = slices_from_rank0(model_sd if dist.get_rank() == 0 else None, cut.get, None, mesh.tp_group)
-        optim_sd = _sliced_optimizer(optim_sd, cut, mesh)
-    else:
-        check_layout(optim_sd.pop(LAYOUT), mesh)
-        model_sd = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in model_sd.items()}
-        for state in optim_sd["state"].values():
-            state.update({m: state[m].to_local() for m in MOMENTS if isinstance(state[m], DTensor)})
-    dsd.set_optimizer_state_dict(module, optimizer, optim_sd)
-    dsd.set_model_state_dict(module, model_sd)
+    model_sd = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in model_sd.items()}
+    for state in optim_sd["state"].values():
+        state.update({m: state[m].to_local() for m in MOMENTS if isinstance(state[m], DTensor)})
+    return model_sd, optim_sd
 
 
 def _sliced_optimizer(optim_sd: dict, cut: dict, mesh) -> dict:
@@ -196,9 +210,9 @@ def whole_flats(model, model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tuple
     `optim_sd` are what `flat_state.get_state_dict` gave the tp ranks of data-parallel rank 0 (their
     slices' weights, and each unit's whole flat of moments); each moment flat is cut into its
     parameters, each joined over tp, and laid out again whole. On the first rank of the tp group of
-    data-parallel rank 0 (rank 0, or under a pipeline each stage's first, which `pipeline/checkpoint.py`
+    data-parallel rank 0 (rank 0, or under a pipeline each stage's first, which `state/pipeline.py`
     then joins); {} elsewhere."""
-    if mesh.rank != 0:
+    if mesh.dp_rank != 0:
         return {}, {}
     weights = joined_on_rank0(model_sd, cut, mesh.tp_group)
     flats = {}
@@ -217,7 +231,7 @@ def sliced_flats(model, model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tupl
     """A full FSDP checkpoint of any tp size (whole, on rank 0) as each tp rank of data-parallel rank 0
     needs it for `flat_state.set_state_dict` to scatter: its slices' weights by name, and each unit's
     moments as the whole flat of its slices. {} on the other ranks, which receive their shards."""
-    if mesh.rank != 0:
+    if mesh.dp_rank != 0:
         return {}, {}
     rank0 = dist.get_rank() == 0
     weights = slices_from_rank0(model_sd if rank0 else None, cut.get, mesh.tp_group, mesh.tp_group)
@@ -236,3 +250,38 @@ def sliced_flats(model, model_sd: dict, optim_sd: dict, cut: dict, mesh) -> tupl
         for m in MOMENTS:
             flats[key][m] = torch.cat([pieces[key, n[0], m].reshape(-1) for n in flat.names])
     return weights, {"flats": flats, "lr": optim_sd["lr"] if rank0 else None}
+
+
+# ---------------------------------------------------------------- the form: one link of the chain
+class TensorParallelForm:
+    """The tensor axis's link in the checkpoint chain (`state/__init__.py`), for the hand-written
+    cut (`tensor/llama.py`; PyTorch's own cut is made of DTensors, which the data-parallel form
+    saves as they are). `cut`: the sliced parameters' names, with the dimension each is cut along."""
+
+    def __init__(self, cut: dict):
+        self.cut = cut
+
+    def get(self, strategy, model, optimizer, how: str, below) -> tuple[dict, dict]:
+        mesh = strategy.mesh
+        if strategy.form_kind == "flat":  # a unit's flat holds this rank's slices
+            model_sd, optim_sd = below(how)
+            if how == "full":  # whole flats, as a tp 1 run lays them out
+                return whole_flats(model, model_sd, optim_sd, self.cut, mesh)
+            optim_sd[LAYOUT] = layout(mesh)
+            return model_sd, optim_sd
+        model_sd, optim_sd = below("sharded")  # by parameter: this rank's own slices
+        if how == "full":  # joined, on the first rank of the tp group of data-parallel rank 0
+            return joined_over_tp(model_sd, optim_sd, self.cut, mesh)
+        return sliced_state_dict(model_sd, optim_sd, self.cut, mesh)
+
+    def set(self, strategy, model, optimizer, model_sd: dict, optim_sd: dict, how: str, below) -> None:
+        mesh = strategy.mesh
+        if how == "sharded":
+            check_layout(optim_sd.pop(LAYOUT), mesh)
+        if strategy.form_kind == "flat":
+            if how == "full":  # each tp rank of data-parallel rank 0 gets its slices' flats, whole, to scatter
+                model_sd, optim_sd = sliced_flats(model, model_sd, optim_sd, self.cut, mesh)
+            return below(model_sd, optim_sd, how)
+        if how == "full":  # every rank keeps its slices (of a checkpoint of any tp size)
+            return below(*own_slices(model_sd, optim_sd, self.cut, mesh), "own")
+        return below(*local_slices(model_sd, optim_sd), "own" if how == "own" else "sharded")

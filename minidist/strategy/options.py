@@ -1,7 +1,7 @@
 """The parallel options of a run, in one place: one dataclass, built once from the command line.
 
     options = ParallelOptions.from_args(args)   # finetune.py, after ParallelOptions.add_arguments(parser)
-    strategy = get_strategy(options, env)       # strategy.py reads it
+    strategy = get_strategy(options, env)       # strategy/ reads it
     estimate(shape, Setup(options=options, ...))  # memory/estimator.py reads the same object
 
 Each field is one flag of `python -m minidist.finetune`. Its metadata says what the flag's help
@@ -14,7 +14,7 @@ PyTorch's FSDP, say) is told so, instead of being silently ignored. `value` read
 with its default filled in.
 
 Hybrid sharding is `--strategy hsdp` with `--hsdp_shard_size N` (the ranks that shard one copy,
-by default the ranks of a node: `mesh.data_parallel_mesh` builds the groups). `cpu_offload`
+by default the ranks of a node: `mesh.build_mesh` builds the groups). `cpu_offload`
 (ZeRO-Offload: `offload.py`) applies to the strategies that shard the optimizer states, by hand
 or PyTorch's FSDP2 (its `CPUOffloadPolicy`); DDP has no shard to put on the host.
 
@@ -26,7 +26,7 @@ pipeline's micro-batches (lesson 12). Each composes with the data-parallel strat
 `accumulate_sharded` chooses how micro-batches accumulate where gradients are sharded (ZeRO-2,
 FSDP, HSDP, by hand or FSDP2): by default under `no_sync`, each rank keeping full-size gradients
 until the last micro-batch; with it, each micro-batch is reduce-scattered and only the shard's sum
-is kept (`strategy.Strategy.no_sync` says why, and what it costs). ZeRO-1 and DDP keep full
+is kept (`strategy/base.Strategy.no_sync` says why, and what it costs). ZeRO-1 and DDP keep full
 gradients anyway: there it would mean nothing, and is refused.
 """
 

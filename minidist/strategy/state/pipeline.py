@@ -23,32 +23,30 @@ forms, and this module makes both out of the stages' pieces:
 - **full**: exactly what a run without a pipeline writes: the whole model's weights by name (a
   `from_pretrained` folder) and its optimizer state by parameter name, on rank 0. Each stage's
   tensors are made whole on its first rank (slices joined over tp, FSDP2's shards gathered), then
-  the stages are joined on rank 0 (`loop.join_stages`), one tensor at a time: the moments keyed
+  the stages are joined on rank 0 (`join_stages`), one tensor at a time: the moments keyed
   (name, moment), the param_groups' names concatenated in stage order. Loading sends every tensor
   from rank 0 to all ranks, one at a time, and each keeps the keys of its own stage (its slice of
-  each, with --tp_size: `tensor/checkpoint.slices_from_rank0`): so it loads at any pp size, 1
+  each, with --tp_size: `state/tensor.slices_from_rank0`): so it loads at any pp size, 1
   included (the code a run without --pp_size always had), and with DDP at any tp size too.
 
   ZeRO-1's and the hand FSDP's full form is theirs without a pipeline (`flat_state.py`): the
   weights by name and the moments as whole flats, laid out in the flats a pp 1 run makes of the
-  whole model: ZeRO's buckets (`run_buckets`), FSDP's units (`run_units`: a stage's layer units
+  whole model: ZeRO's buckets (`data.run_buckets`), FSDP's units (`data.run_units`: a stage's layer units
   are a pp 1 run's, but its root holds only its part of the rest). So each stage's flats are cut
   into their parameters, joined by name on rank 0 and laid out again in those flats
   (`joined_flats`); loading cuts them into parameters, each stage keeps its own and lays them out
   in its flats, each rank taking its shard (`sharded_flats`). With --tp_size a stage's FSDP flats
-  hold slices: they are joined over tp first (`tensor/checkpoint.whole_flats`), and on load each
+  hold slices: they are joined over tp first (`state/tensor.whole_flats`), and on load each
   rank keeps its slice of every tensor before laying out its flats.
 """
 
 import torch
 import torch.distributed as dist
 
-from minidist.parallel import fsdp
+from minidist.parallel.comm import collective_device
 from minidist.parallel.flat_state import MOMENTS, keyed_flats, shard_dtensor
-from minidist.parallel.pipeline.loop import join_stages
-from minidist.parallel.tensor.checkpoint import joined_over_tp, slices_from_rank0
-from minidist.parallel.wrapper import pack_buckets
 from minidist.runtime.errors import UsageError
+from minidist.strategy.state.tensor import slices_from_rank0
 
 LAYOUT = "pipeline_layout"  # a sharded ZeRO checkpoint's (pp size, data-parallel ranks)
 
@@ -65,37 +63,60 @@ def own_param_groups(saved: list[dict], live: list[dict]) -> list[dict]:
 
 def layout(mesh) -> torch.Tensor:
     """What a sharded ZeRO checkpoint of a pipeline records (`LAYOUT`): its pp size and data-parallel ranks."""
-    return torch.tensor([mesh.pp_size, mesh.size])
+    return torch.tensor([mesh.pp_size, mesh.dp_size])
 
 
 def check_layout(saved: torch.Tensor, mesh) -> None:
     """Refuse, in one line (a UsageError, on every rank alike), a sharded ZeRO checkpoint of another
     pp size or number of data-parallel ranks: each stage's flats are laid out for its own parameters."""
     pp, dp = saved.tolist()
-    if (pp, dp) != (mesh.pp_size, mesh.size):
+    if (pp, dp) != (mesh.pp_size, mesh.dp_size):
         raise UsageError(f"this sharded checkpoint was written at --pp_size {pp} on {dp} data-parallel ranks, and this "
-                         f"run has {mesh.pp_size} on {mesh.size}: a sharded ZeRO checkpoint of a pipeline resumes at "
+                         f"run has {mesh.pp_size} on {mesh.dp_size}: a sharded ZeRO checkpoint of a pipeline resumes at "
                          f"its own layout: resume with that one, or save with --checkpoint_format full")
 
 
 # ---------------------------------------------------------------- full: the stages joined on rank 0
-def joined_state_dict(module, optimizer, mesh, cut: dict | None = None) -> tuple[dict, dict]:
-    """The whole model's weights and optimizer state (by parameter name, as a run without a pipeline
-    writes them) on rank 0's CPU, from the stages of `module` (this rank's, unwrapped); {} elsewhere.
-    Every rank calls it; each stage's first rank (data-parallel and tensor-parallel rank 0) holds
-    what is joined. A stage's tensors are made whole first, one at a time: with --tp_size (`cut`, the
-    sliced parameters) the slices are joined over the tp ranks (`tensor/checkpoint.py`); PyTorch's
-    FSDP2 gathers each DTensor over the stage's data-parallel ranks."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def join_stages(state: dict | None, mesh) -> dict | None:
+    """Every stage's weights (`state`, by the whole model's names, on the CPU, held by the stage's
+    first data-parallel and tensor-parallel rank; None on the others) joined on rank 0, which
+    returns the whole model's; every other rank returns None. Every rank calls it.
 
-    holder = mesh.rank == 0 and (mesh.tp_group is None or dist.get_rank(mesh.tp_group) == 0)
-    model_sd, optim_sd = get_state_dict(module, optimizer)  # this stage's own tensors, by the whole model's names
-    if cut is not None:  # the holder gets the joined slices, on its CPU; the others {}
-        model_sd, optim_sd = joined_over_tp(model_sd, optim_sd, cut, mesh)
-    weights = join_stages(_whole_on(model_sd, holder), mesh)
-    # one flat dict for join_stages: (name, "step" | "exp_avg" | "exp_avg_sq") -> tensor
+    The holders are one pipeline group, the one at data-parallel and tensor-parallel rank 0: the
+    later stages send their tensors to its first, one at a time, after their names and shapes.
+    Once, outside any training step: not counted in a step's bytes (`dist` directly, not `comm`)."""
+    tp_rank = 0 if mesh.tp_group is None else dist.get_rank(mesh.tp_group)
+    if mesh.dp_rank != 0 or tp_rank != 0:
+        return None
+    group, first = mesh.pp_group, dist.get_global_rank(mesh.pp_group, 0)
+    shapes = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    every = [None] * mesh.pp_size
+    dist.gather_object(shapes, every if mesh.pp_rank == 0 else None, dst=first, group=group)
+    probe = next(iter(state.values()))
+    device = collective_device(probe, group)  # NCCL sends GPU tensors only
+    if mesh.pp_rank != 0:
+        for tensor in state.values():
+            dist.send(tensor.to(device).contiguous(), dst=first, group=group)
+        return None
+    whole = dict(state)
+    for stage in range(1, mesh.pp_size):
+        src = dist.get_global_rank(group, stage)
+        for name, shape, dtype in every[stage]:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src=src, group=group)
+            whole[name] = buffer.cpu()
+    return whole
+
+
+def joined_state_dict(model_sd: dict, optim_sd: dict, holder: bool, mesh) -> tuple[dict, dict]:
+    """The whole model's weights and optimizer state (by parameter name, as a run without a pipeline
+    writes them) on rank 0's CPU, from each stage's, whole on its first rank (`holder`: data-parallel
+    and tensor-parallel rank 0; `model_sd`, `optim_sd` there, {} elsewhere); {} on the other ranks.
+    Every rank calls it: the moments keyed (name, moment) for `join_stages`, the param_groups' names
+    concatenated in stage order."""
+    weights = join_stages(model_sd if holder else None, mesh)
     moments = {(name, key): t for name, state in optim_sd.get("state", {}).items() for key, t in state.items()}
-    moments = join_stages(_whole_on(moments, holder), mesh)
+    moments = join_stages(moments if holder else None, mesh)
     groups = _joined_param_groups(optim_sd["param_groups"] if holder else None, mesh)
     if dist.get_rank() != 0:
         return {}, {}
@@ -103,22 +124,6 @@ def joined_state_dict(module, optimizer, mesh, cut: dict | None = None) -> tuple
     for (name, key), t in moments.items():
         state.setdefault(name, {})[key] = t
     return weights, {"state": state, "param_groups": groups}
-
-
-def _whole_on(tensors: dict, holder: bool) -> dict | None:
-    """Each tensor of `tensors`, whole, copied to the holder's CPU (None on the other ranks), one at a
-    time. A DTensor (FSDP2's shard) is gathered first, by every rank of the stage, in the same order;
-    a plain tensor (DDP's, or slices already joined) is whole already."""
-    from torch.distributed.tensor import DTensor
-
-    kept = {} if holder else None
-    for key, t in tensors.items():
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        if holder:
-            kept[key] = t.detach().to("cpu", copy=True)
-        del t
-    return kept
 
 
 def _joined_param_groups(groups: list[dict] | None, mesh) -> list[dict] | None:
@@ -139,7 +144,7 @@ def load_stage(module, optimizer, model_sd: dict, optim_sd: dict, cut: dict | No
     """Load a full checkpoint of any pp size (rank 0 holds it; the others pass {}) into this rank's
     stage (`module`, unwrapped) and its optimizer: rank 0 sends every tensor to all ranks, one at a
     time, and each keeps those of its own stage (with --tp_size, `cut`: its slice of each,
-    `tensor/checkpoint.slices_from_rank0`). PyTorch's helpers then load the stage's whole tensors as
+    `state/tensor.slices_from_rank0`). PyTorch's helpers then load the stage's whole tensors as
     a run without a pipeline loads its own (FSDP2: each rank keeps its shard of them)."""
     from torch.distributed.checkpoint import state_dict as dsd
 
@@ -160,46 +165,18 @@ def load_stage(module, optimizer, model_sd: dict, optim_sd: dict, cut: dict | No
     dsd.set_model_state_dict(module, model_sd, options=options)
 
 
-# ---------------------------------------------------------------- full ZeRO-1: the flats as a pp 1 run lays them out
-def run_buckets(whole_model, bucket_cap_mb: float) -> list[list[tuple[str, torch.Size]]]:
-    """The (name, shape) of each parameter of each bucket that ZeRO (`zero.ZeroDP`) makes of
-    `whole_model` (built on the meta device) without a pipeline: its trainable parameters in reverse
-    order, packed into runs of `bucket_cap_mb` of fp32 (the loop loads in fp32; `wrapper.pack_buckets`)."""
-    named = [(name, p) for name, p in whole_model.named_parameters() if p.requires_grad][::-1]
-    fp32 = [torch.empty(p.shape, device="meta") for _, p in named]
-    name_of = {id(t): name for t, (name, _) in zip(fp32, named)}
-    return [[(name_of[id(t)], t.shape) for t in run] for run in pack_buckets(fp32, int(bucket_cap_mb * 2**20))]
-
-
-def run_units(whole_model, unit_classes) -> list[list[tuple[str, torch.Size]]]:
-    """The (name, shape) of each parameter of each unit that the hand-written FSDP (`fsdp.py`)
-    makes of `whole_model` (built on the meta device) without a pipeline: a unit per layer, then
-    the root, each in its flat's order (`unit.Unit`: the trainable parameters, a tied one once,
-    under its first name); a unit with none has no flat. Under a pipeline a stage's layer units are
-    these, but its root holds only the stage's part of the rest (the embedding, or the norm and
-    head), so its flats cannot be written as they are: they are cut and laid out again in these."""
-    runs = []
-    for slots in fsdp.wrap_units(whole_model, unit_classes)[1]:
-        first = {}
-        for _, _, name, p in slots:
-            if p.requires_grad:
-                first.setdefault(id(p), (name, p.shape))
-        if first:
-            runs.append(list(first.values()))
-    return runs
-
-
+# ---------------------------------------------------------------- full ZeRO and FSDP: the flats as a pp 1 run lays them out
 def joined_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list) -> tuple[dict, dict]:
     """A full checkpoint of ZeRO or the hand FSDP under a pipeline, as a run without one writes it:
     `model_sd` and `optim_sd` are what `flat_state.get_state_dict` gave each stage's data-parallel
     rank 0 (its weights by name, and its flats' whole moments). Each flat is cut into its parameters,
     the stages joined by name on rank 0, and the moments laid out again in the flats a pp 1 run has
-    (`buckets`: `run_buckets` or `run_units`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere.
+    (`buckets`: the strategy's `layout_of` the whole model, `state/data.py`), keyed as it keys them (`flat_state.keyed_flats`). {} elsewhere.
 
     With --tp_size the stage's first rank (data-parallel and tp rank 0) holds what
-    `tensor/checkpoint.whole_flats` joined: whole weights, and flats of whole parameters (not of
+    `state/tensor.whole_flats` joined: whole weights, and flats of whole parameters (not of
     its slices), so a flat is cut by the whole weights' shapes, not by its own layout's."""
-    holder = mesh.rank == 0 and (mesh.tp_group is None or dist.get_rank(mesh.tp_group) == 0)
+    holder = mesh.dp_rank == 0 and (mesh.tp_group is None or dist.get_rank(mesh.tp_group) == 0)
     moments = {} if holder else None
     for key, flat in keyed_flats(model) if holder else ():
         saved, names = optim_sd["flats"][key], [n[0] for n in flat.names]
@@ -233,7 +210,7 @@ def sharded_flats(model, model_sd: dict, optim_sd: dict, mesh, buckets: list, cu
     weights and moments, 40 GB on every rank); rank 0 holds the whole checkpoint, as without a pipeline.
 
     With --tp_size (`cut`: the sliced parameters) each rank keeps its slice of each weight and
-    moment (`slices_from_rank0`, as `tensor/checkpoint.py` loads): its flats are flats of slices."""
+    moment (`slices_from_rank0`, as `state/tensor.py` loads): its flats are flats of slices."""
     rank0 = dist.get_rank() == 0
     cut = cut or {}
     tp_group = mesh.tp_group if cut else None
@@ -273,3 +250,46 @@ def _shard(layout, tensors: list, mesh):
     its order), as the DTensor that a sharded checkpoint hands `flat_state.set_state_dict`."""
     # a copy of the shard: a view would keep the whole padded flat alive
     return shard_dtensor(layout, layout.flatten(tensors, torch.float32)[layout.shard_slice].clone(), mesh)
+
+
+# ---------------------------------------------------------------- the form: one link of the chain
+class PipelineForm:
+    """The pipeline axis's link in the checkpoint chain (`state/__init__.py`): the stages' pieces,
+    keyed by the whole model's names. Full: the stages joined on rank 0, as a pp 1 run writes them
+    (flats laid out as its flats, `run_flats`: the strategy's `layout_of` the whole model), and cut
+    by stage on load; sharded: each stage's own, its layout noted where it matters (flats).
+    `cut`: the tensor axis's sliced parameters (None without one), which a full load slices too."""
+
+    def __init__(self, cut: dict | None = None):
+        self.cut = cut
+
+    def get(self, strategy, model, optimizer, how: str, below) -> tuple[dict, dict]:
+        mesh = strategy.mesh
+        model_sd, optim_sd = below(how)  # full: each stage's, whole on its first rank
+        if strategy.form_kind == "flat":
+            if how == "full":
+                return joined_flats(model, model_sd, optim_sd, mesh, strategy.layout_of(strategy.model_to_save(model)))
+            optim_sd[LAYOUT] = layout(mesh)
+            return model_sd, optim_sd
+        if how == "full":
+            return joined_state_dict(model_sd, optim_sd, strategy.holder, mesh)
+        return model_sd, optim_sd  # DCP writes each key from the stage that holds it
+
+    def set(self, strategy, model, optimizer, model_sd: dict, optim_sd: dict, how: str, below) -> None:
+        mesh = strategy.mesh
+        if strategy.form_kind == "flat":
+            if how == "full":  # rank 0's pp 1 flats cut into this stage's (its slices, under tp), each rank its shard
+                run = strategy.layout_of(strategy.model_to_save(model))
+                return below(*sharded_flats(model, model_sd, optim_sd, mesh, run, self.cut), "own")
+            if how == "sharded":
+                check_layout(optim_sd.pop(LAYOUT), mesh)
+            return below(model_sd, optim_sd, how)
+        module = strategy.unwrap(model)
+        if how == "full":  # each stage takes its keys (its slices of them, under tp) of any pp size's
+            return load_stage(module, optimizer, model_sd, optim_sd, cut=self.cut, tp_group=mesh.tp_group)
+        if how == "sharded":  # DCP kept one stage's parameter names in the param_groups all share
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            live = get_optimizer_state_dict(module, optimizer)["param_groups"]
+            optim_sd["param_groups"] = own_param_groups(optim_sd["param_groups"], live)
+        return below(model_sd, optim_sd, how)

@@ -16,30 +16,28 @@ first backward, and r·t_b after its last backward. Divided by the step:
 less memory. Only more micro-batches shrink it (at p = 2, m = 1 idles 1/2 of the step, m = 4 a
 fifth, m = 8 a ninth): that is why a pipeline wants m well above p.
 
-**What a CPU run measures, and what moves it off the formula.** All measured with the command
-below on this project's 2-core machine, shared with other work (load averages 8 to 54); the
-lesson 12 page has the tables.
+**What a CPU run measures, and what moves it off the formula.** Lesson 12 has the figures, from
+the command below; here is what moves a measurement off the formula, and how `measure` keeps each
+out.
 
 - *The micro-batch's size.* The formula's m micro-batches each cost t_f + t_b, whatever m. So
   `measure` (`micro_batch=1`, the command's default) gives each micro-batch one sequence and the
   step m of them; `sequences=8` (`--sequences 8`) cuts one batch of 8 into m instead, so that an
-  action shrinks as 1/m while the fixed costs of an action and of a hand-over do not: at m = 8
-  that way the stages idled 0.17 to 0.33 of the step on the host's clock, against 0.11.
+  action shrinks as 1/m while the fixed costs of an action and of a hand-over do not, and the
+  stages idle more than the formula says at large m.
 - *Unequal stages.* The last stage also computes the final norm, the head and the loss, and a
   pipeline runs at its slowest stage's pace: the first stage waits for it. With the chess
   vocabulary (1,975 tokens) the head of a hidden-256 model is 0.65 of a decoder layer, a third
   more work for the last of two 2-layer stages; `measure` takes a 64-token vocabulary (the head is
   1% of a 2-layer stage; `--vocab 1975` shows the imbalance). Even so the last stage's actions
-  measured 3% to 10% longer than the first's on the CPU clock (the head, the norm and the loss
-  are still some work), and the first stage idled up to 0.05 more than the formula at m = 8, the
-  last up to 0.02 less.
+  take a little longer than the first's (the head, the norm and the loss are still some work), so
+  the first stage idles a little more than the formula, the last a little less.
 - *Shared cores and the hand-overs: why the host's clock alone cannot check the formula here.* The
   formula gives each stage its own processor, always at work when its input is there. Here the ranks
-  share 2 cores with everything else (one thread per rank, `torch.set_num_threads(1)`, or their
-  thread pools fight over both): an action took up to 5 times its CPU time on the host's clock, and a
-  receive includes gloo's copy and, on a loaded machine, the receiver waiting to be scheduled again.
-  On the host's clock the stages idled 0.18 below to 0.42 above the formula at p = 2 (six runs). At
-  p = 4 on 2 cores it cannot hold at all: four stages that would compute at once take turns, so at
+  share the machine's cores with everything else (one thread per rank, `torch.set_num_threads(1)`,
+  or their thread pools fight over the cores): an action can take several times its CPU time on the
+  host's clock, and a receive includes gloo's copy and, on a loaded machine, the receiver waiting
+  to be scheduled again. At p = 4 on 2 cores it cannot hold at all: four stages that would compute at once take turns, so at
   most 2 of the 4 compute at any moment and the mean idle over the stages is at least 1 - 2/4 = 0.5,
   whatever m (the formula: 0.43 at m = 4, 0.27 at m = 8).
 - *So the measurement reads two clocks.* `CpuTimed` is the executor, timing the same interval (from
@@ -47,18 +45,17 @@ lesson 12 page has the tables.
   and on the rank's thread's CPU clock: the work the action did, which a rank waiting for a core or
   for a message does not add to. `replay` runs each step's measured work through the same table on a
   core per stage with free hand-overs, the machine the formula is about, with the work and the
-  imbalance this run measured (`replayed_idle`). There every stage idled 0.06 below to 0.09 above
-  the formula, at p = 2 and 4, GPipe and 1F1B, m = 1 to 8 (the median of each case's steps; seven
-  runs at p = 2, four at p = 4, load averages 15 to 54), and the table that runs one micro-batch at
-  a time idled its own (p - 1) / p. The host's clock minus the replay is what this machine added:
-  hand-overs and shared cores.
+  imbalance this run measured (`replayed_idle`): there the formula holds, and a table that runs one
+  micro-batch at a time idles its own (p - 1) / p (lesson 12 has the figures and the band the test
+  holds them to). The host's clock minus the replay is what the machine added: hand-overs and
+  shared cores.
 
 **The ranks' clocks.** Each rank times its actions from its own step's start. `measure` starts
 the ranks together (a barrier before each step), and a step of the pipeline lasts until its last
 rank ends: `idle_fraction` is taken against that common step time (`stage_idle`), and `bars` lays
 the ranks' timelines on one axis.
 
-    python -m minidist.parallel.pipeline.bubble --pp 2 --m 1 2 4 8
+    python -m minidist.bench bubble --pp 2 --m 1 2 4 8
 
 prints each stage's idle fraction (median of the steps, and their range), on the host's clock and
 replayed on a core per stage, against the formula, on CPU ranks started by `launch`; `--gantt`
@@ -216,7 +213,7 @@ def measure(tables: list, *, hidden=256, layers=4, vocab=64, sequences=8, length
 def _parser():
     from minidist.runtime.errors import ArgumentParser
 
-    p = ArgumentParser(prog="python -m minidist.parallel.pipeline.bubble", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m minidist.bench bubble", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, default=2, help="stages, one CPU rank each (default 2)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="micro-batches per step")
     p.add_argument("--schedule", nargs="+", default=["gpipe", "1f1b"], help="schedules to run")
@@ -249,7 +246,7 @@ def main(argv=None) -> None:
     sizes = {name: getattr(args, name) for name in ("hidden", "layers", "vocab", "length", "steps")}
     sizes |= {"micro_batch": args.micro_batch} if args.sequences is None else {"sequences": args.sequences}
     # By its module's name, not __main__'s: each rank imports the function it runs.
-    by_name = importlib.import_module("minidist.parallel.pipeline.bubble").measure
+    by_name = importlib.import_module("minidist.bench.bubble").measure
     by_rank = launch(by_name, args.pp, tables, timeout_s=600, **sizes)
     print(f"pp {args.pp}, " + ", ".join(f"{k} {v}" for k, v in sizes.items()) + f", 1 thread per rank, load average "
           f"{os.getloadavg()[0]:.1f}: idle fraction per stage, median of the steps (min-max); 'wall': as the "
