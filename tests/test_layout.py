@@ -6,11 +6,23 @@ module twice (once as `__main__`, once by name); a learner reading one of the tw
 tell which one depends on which. The graph is built from the source, every `import` statement
 counted, those inside functions too: a lazy import is still a dependency.
 
-Two graphs are checked. Between modules; and between the package's units, where a folder
-(`minidist.parallel`, `minidist.memory`, ...) is one node and each top-level module
-(`minidist.finetune`, `minidist.step`, ...) is one. The second sees what the first cannot: folders
-that use each other through different modules (`memory.trace` imports `finetune`, `finetune`
-imports `memory.measure`) are two wings that cannot be read apart.
+Two graphs are checked. Between modules; and between the package's units, where every folder at
+any depth (`minidist.parallel`, `minidist.parallel.tensor`, `minidist.strategy.state`, ...) is one
+node, holding the modules directly in it, and each top-level module (`minidist.finetune`,
+`minidist.step`, ...) is one. The second sees what the first cannot: folders that use each other
+through different modules (`memory.trace` imports `finetune`, `finetune` imports `memory.measure`)
+are two wings that cannot be read apart. A module in a subfolder imports its parent folder too
+(importing `minidist.parallel.tensor.ops` runs `minidist.parallel` first), so a parent that
+imports its subfolder is a cycle: a lesson folder must not be pulled back into the folder around it.
+
+And the written rules of the layout (`RULES`, `LESSON_FOLDERS`), each checked:
+
+- `parallel/` holds the mechanisms the lessons teach, readable without the rest: it imports nothing
+  from `strategy/` (how a run combines them), `runtime/` (but its one-line error types,
+  `runtime.errors`), `hf/`, `chess/`, `checkpoint/`, `memory/` or `bench/`, nor the loop
+  (`finetune`, `step`, `evaluate`; the batches' shapes, `batches`, it may read).
+- A lesson folder (`parallel/tensor/`, `parallel/pipeline/`, and each axis to come) imports no
+  sibling lesson folder: each axis is read on its own.
 
 Length is a reading, not a rule, for modules: one idea per module matters more than a line count,
 so modules over 300 lines of code (docstrings and comments not counted) are listed, not failed. A
@@ -64,10 +76,13 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
 
 
 def unit_of(module: str, package: Path = PACKAGE) -> str:
-    """The unit a module belongs to: its top-level folder under the package, or itself."""
+    """The unit a module belongs to: the folder it sits in, at any depth (a package, by its own
+    folder), or itself for a module at the package's top level."""
     parts = module.split(".")
-    if len(parts) > 2 or (len(parts) == 2 and (package / parts[1]).is_dir()):
-        return ".".join(parts[:2])
+    if (package.parent.joinpath(*parts)).is_dir():  # a package's __init__: its own folder
+        return module
+    if len(parts) > 2:
+        return ".".join(parts[:-1])
     return module
 
 
@@ -128,6 +143,33 @@ def every_cycle(graph: dict[str, set[str]]) -> list[list[str]]:
     reachable = {node: reach(node) for node in graph}
     knots = {frozenset(n for n in reachable[node] if node in reachable[n]) for node in graph if node in reachable[node]}
     return sorted(find_cycle({n: graph[n] & knot for n in knot}) for knot in knots)
+
+
+# The written rules: a unit (folder or top-level module) -> the units it must not import, by prefix.
+WINGS = ("minidist.strategy", "minidist.hf", "minidist.chess", "minidist.checkpoint", "minidist.memory",
+         "minidist.bench", "minidist.finetune", "minidist.step", "minidist.evaluate")
+RULES = {"minidist.parallel": WINGS + ("minidist.runtime",)}
+ALLOWED = {"minidist.runtime", "minidist.runtime.errors"}  # one-line error types: what a mechanism raises for bad input
+LESSON_FOLDERS = "minidist.parallel"  # each folder directly in it is a lesson's (tensor/, pipeline/, ...)
+
+
+def broken_rules(package: Path = PACKAGE) -> list[str]:
+    """`a -> b` for each import that breaks a written rule: a module of `parallel/` (at any depth)
+    importing a wing, or a lesson folder importing a sibling lesson folder."""
+    broken = []
+    lessons = {unit for unit in unit_graph(package) if unit.rsplit(".", 1)[0] == LESSON_FOLDERS
+               and package.parent.joinpath(*unit.split(".")).is_dir()}
+    for module, targets in sorted(import_graph(package).items()):
+        for target in sorted(targets):
+            for owner, banned in RULES.items():
+                if (module == owner or module.startswith(owner + ".")) and target not in ALLOWED and any(
+                        target == b or target.startswith(b + ".") for b in banned):
+                    broken.append(f"{module} -> {target} ({owner} imports none of {', '.join(banned)})")
+            mine = next((lesson for lesson in lessons if module == lesson or module.startswith(lesson + ".")), None)
+            theirs = next((lesson for lesson in lessons if target == lesson or target.startswith(lesson + ".")), None)
+            if mine and theirs and mine != theirs:
+                broken.append(f"{module} -> {target} (a lesson folder imports no sibling lesson folder)")
+    return broken
 
 
 def code_lines(source: str) -> int:
@@ -206,18 +248,76 @@ def test_the_checks_see_what_they_are_for(tmp_path):
 
 def test_minidist_has_no_import_cycle():
     graph = import_graph()
-    assert "minidist.parallel.strategy" in graph and graph["minidist.finetune"], "the graph found no modules"
+    assert "minidist.strategy" in graph and graph["minidist.finetune"], "the graph found no modules"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_minidist_has_no_import_cycle_between_its_folders():
     graph = unit_graph()
-    assert {"minidist.parallel", "minidist.memory", "minidist.finetune"} <= graph.keys(), "the graph found no units"
-    assert "minidist.parallel" in graph["minidist.finetune"], "the graph found no imports between units"
+    assert {"minidist.parallel", "minidist.parallel.tensor", "minidist.strategy.state", "minidist.memory",
+            "minidist.finetune"} <= graph.keys(), "the graph found no units"
+    assert "minidist.strategy" in graph["minidist.finetune"], "the graph found no imports between units"
+    assert "minidist.parallel" in graph["minidist.parallel.tensor"], "a subfolder imports its parent"
     cycles = every_cycle(graph)
     assert not cycles, "import cycles between units: " + "; ".join(
         " -> ".join(cycle) + " (through " + ", ".join(witnesses(cycle)) + ")" for cycle in cycles)
+
+
+def test_the_rules_see_what_they_are_for(tmp_path):
+    """A planted package: a mechanism that imports the runtime and a lesson folder that imports its
+    sibling are named; a subfolder its parent imports is a cycle of the unit graph."""
+    package = tmp_path / "minidist"
+    for folder in ("runtime", "parallel", "parallel/tensor", "parallel/pipeline"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "runtime" / "errors.py").write_text("class UsageError(Exception): pass\n")
+    (package / "runtime" / "launch.py").write_text("X = 1\n")
+    (package / "parallel" / "comm.py").write_text("from minidist.runtime.errors import UsageError\n")
+    (package / "parallel" / "mesh.py").write_text("from minidist.runtime.launch import X\n")
+    (package / "parallel" / "tensor" / "ops.py").write_text("from minidist.parallel import comm\n")
+    (package / "parallel" / "pipeline" / "loop.py").write_text("def f():\n    from minidist.parallel.tensor import ops\n")
+    assert broken_rules(package) == [
+        "minidist.parallel.mesh -> minidist.runtime.launch (minidist.parallel imports none of "
+        + ", ".join(WINGS + ("minidist.runtime",)) + ")",
+        "minidist.parallel.pipeline.loop -> minidist.parallel.tensor (a lesson folder imports no sibling lesson folder)",
+        "minidist.parallel.pipeline.loop -> minidist.parallel.tensor.ops (a lesson folder imports no sibling lesson "
+        "folder)"]
+    assert every_cycle(unit_graph(package)) == []
+    (package / "parallel" / "strategy.py").write_text("from minidist.parallel.pipeline import loop\n")
+    assert every_cycle(unit_graph(package)) == [["minidist.parallel", "minidist.parallel.pipeline",
+                                                 "minidist.parallel.tensor", "minidist.parallel"]]
+
+
+def test_the_written_rules_hold():
+    broken = broken_rules()
+    assert not broken, "imports that break the layout's rules:\n" + "\n".join(broken)
+
+
+# What a data-parallel strategy must not name: the axes, their groups and sizes, and what they cut.
+AXIS_NAMES = {"tp_size", "pp_size", "tp_group", "pp_group", "tp_rank", "pp_rank", "tensor_parallel", "pipeline",
+              "axis", "axes", "cut_layers", "cut_stage", "stage", "split", "sequence_parallel", "pp_schedule"}
+
+
+def names_used(path: Path, classes_only: bool = True) -> dict[str, set[str]]:
+    """Class -> every name and attribute its code uses (docstrings and comments are not code)."""
+    used = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) or not classes_only:
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            names |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            used[getattr(node, "name", "")] = names
+    return used
+
+
+def test_the_data_parallel_strategies_know_no_axis():
+    """Axes, not branches: a class of `strategy/data.py` names no axis, no axis's group or size, and
+    nothing an axis cuts; where an axis shows, `strategy/base.py` asks the axes."""
+    used = names_used(PACKAGE / "strategy" / "data.py")
+    assert {"MinidistDDP", "MinidistFSDP", "TorchFSDP"} <= used.keys(), "no data-parallel class found"
+    knowing = {cls: sorted(names & AXIS_NAMES) for cls, names in used.items() if names & AXIS_NAMES}
+    assert not knowing, f"data-parallel strategies that name an axis: {knowing}"
 
 
 def test_no_function_is_over_80_lines_and_long_modules_are_listed(record_property):
