@@ -174,7 +174,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
     say = print if env.is_main else _silent
     micro_bs, pad_token_id = args.batch_size_per_device, games.tokenizer.pad_token_id
-    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{_model_parallel(strategy)} on "
+    say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{strategy.describe()} on "
         f"{env.world_size} x {env.device.type} | global batch {games.sampler.global_batch_size} = {micro_bs} x "
         f"{mesh.dp_size} ranks x {args.gradient_accumulation_steps} accumulation | {len(games.sequences)} games")
 
@@ -237,13 +237,6 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     if "stopped" in results:  # not finished: the checkpoint has it all
         session.say_stopped()
     return results
-
-
-def _model_parallel(strategy) -> str:
-    """The log's words for the model's cuts: tensor-parallel slices, pipeline stages (or nothing)."""
-    mesh, options = strategy.mesh, strategy.options
-    words = f" x tensor-parallel {mesh.tp_size}{' + SP' if options.sequence_parallel else ''}" if mesh.tp_size > 1 else ""
-    return words + (f" x pipeline {mesh.pp_size} ({options.value('pp_schedule')})" if mesh.pp_size > 1 else "")
 
 
 @dataclass

@@ -73,12 +73,16 @@ def evaluate_sharded(model_dir, strategy_name, num_prefixes, impl="torch"):
 
     env = get_env()
     tokenizer = models.load_tokenizer(model_dir)
-    model = get_strategy(ParallelOptions(strategy_name, impl), env).wrap(models.load_model(model_dir))
+    strategy = get_strategy(ParallelOptions(strategy_name, impl), env)
+    model = strategy.wrap(models.load_model(model_dir))
     prefixes = legal_moves.game_prefixes(jsonl.load_games(bundled_games("test")), num_prefixes)
-    result = legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2)
+    # generation through the strategy's wrapper, as the loop does (`Strategy.continue_fn`)
+    result = legal_moves.legal_move_rate(model, tokenizer, prefixes, env.device, batch_size=2,
+                                         continue_fn=strategy.continue_fn())
     new_tokens = legal_moves.tokens_per_move(tokenizer) + 1
     prompts = [" ".join(p) for p in prefixes]
-    return {**result, "continuations": legal_moves.greedy_continue(model, tokenizer, prompts, new_tokens, env.device)}
+    return {**result, "continuations": legal_moves.greedy_continue(model, tokenizer, prompts, new_tokens, env.device,
+                                                                   ready=strategy.ready_to_generate)}
 
 
 def run_finetunes_then_leave(argvs):

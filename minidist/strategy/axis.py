@@ -21,6 +21,10 @@ class Axis:
     def __init__(self, options, env, mesh):
         self.options, self.env, self.mesh = options, env, mesh
 
+    def describe(self) -> str:
+        """The run's first log line's words for this cut (" x tensor-parallel 2")."""
+        return ""
+
     def say(self, line: str) -> None:
         if self.env.is_main:
             print(line)

@@ -102,6 +102,10 @@ class Strategy:
         rank 0, and the first of its tensor-parallel group (each stage of a pipeline has one)."""
         return self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0
 
+    def describe(self) -> str:
+        """The first log line's words for the axes ("" without any), in the mesh's order, innermost first."""
+        return "".join(axis.describe() for axis in (self.axes[::-1] if self.torch_order else self.axes))
+
     def cut_names(self) -> dict | None:
         """The parameters a hand-written tensor axis sliced (name -> dim, real size), or None."""
         tensor = self.axis("tensor")

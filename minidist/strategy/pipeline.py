@@ -79,6 +79,9 @@ class PipelineAxis(Axis):
         self.pipeline: Pipeline | None = None
         self.form = PipelineForm()
 
+    def describe(self) -> str:
+        return f" x pipeline {self.size} ({self.options.value('pp_schedule')})"
+
     def check_model(self, meta_model) -> None:
         Stage(meta_model, 0, self.size)  # refuses what cannot be cut: a layer each at least, untied embeddings
 

@@ -24,44 +24,27 @@ from minidist.strategy.axis import Axis
 from minidist.strategy.state.tensor import TensorParallelForm, whole_weights
 
 
-class TensorAxis(Axis):
-    """The hand-written cut (`tensor/llama.py`). What it learns when it cuts (`cut`: the sliced
-    parameters, with their dimension; `vocabulary`: this rank's first token id and the real
-    vocabulary size) it keeps, for the loss, clipping and saving."""
+class _Tensor(Axis):
+    """What both cuts share: the tensor-parallel group, the padding for sequence parallelism, the
+    model's check, and clipping's group, over which the copied parameters would count T times."""
 
     name = "tensor"
 
     def __init__(self, options, env, mesh):
         super().__init__(options, env, mesh)
         self.size, self.group = mesh.tp_size, mesh.tp_group
-        self.split: dict = {}  # parameter name -> (dim, real size or None), filled by `cut`
-        self.vocabulary: tuple[int, int] | None = None
-        self.form = TensorParallelForm(self.split)  # the same dict: filled in place by `cut`
+
+    def describe(self) -> str:
+        return f" x tensor-parallel {self.size}{' + SP' if self.options.sequence_parallel else ''}"
 
     def check_model(self, meta_model) -> None:
         from minidist.parallel.tensor.llama import check_splittable
 
         check_splittable(meta_model, self.size)
 
-    def cut(self, model, strategy=None):
-        from minidist.parallel.tensor.llama import parallelize_llama, split_parameters
-
-        for line in parallelize_llama(model, self.group, self.options.sequence_parallel):
-            self.say(line)
-        self.split.update(split_parameters(model))  # names of the sliced parameters: saving, clipping
-        if hasattr(model, "lm_head"):  # under a pipeline, the stage's: its last holds the head
-            self.vocabulary = model.lm_head.start, model.lm_head.vocab_size
-        return model
-
     @property
     def sequence_multiple(self) -> int:
         return self.size if self.options.sequence_parallel else 1
-
-    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
-
-        start, vocab_size = self.vocabulary
-        return vocab_parallel_cross_entropy(logits, targets, start, vocab_size, self.group).sum()
 
     def norm_groups(self) -> list:
         return [self.group]
@@ -69,6 +52,34 @@ class TensorAxis(Axis):
     @property
     def alike_copies(self) -> int:
         return self.size
+
+
+class TensorAxis(_Tensor):
+    """The hand-written cut (`tensor/llama.py`). What it learns when it cuts (`split`: the sliced
+    parameters, with their dimension; `vocabulary`: this rank's first token id and the real
+    vocabulary size) it keeps, for the loss, clipping and saving."""
+
+    def __init__(self, options, env, mesh):
+        super().__init__(options, env, mesh)
+        self.split: dict = {}  # parameter name -> (dim, real size or None), filled by `cut`
+        self.vocabulary: tuple[int, int] | None = None
+        self.form = TensorParallelForm(self.split)  # the same dict: filled in place by `cut`
+
+    def cut(self, model, strategy=None):
+        from minidist.parallel.tensor.llama import parallelize_llama, split_parameters
+
+        for line in parallelize_llama(model, self.group, self.options.sequence_parallel):
+            self.say(line)
+        self.split.update(split_parameters(model))  # names of the sliced parameters: saving, clipping
+        if hasattr(model, "lm_head"):  # the whole model: the slices are cut before a pipeline's stage
+            self.vocabulary = model.lm_head.start, model.lm_head.vocab_size
+        return model
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from minidist.parallel.tensor.vocab import vocab_parallel_cross_entropy
+
+        start, vocab_size = self.vocabulary
+        return vocab_parallel_cross_entropy(logits, targets, start, vocab_size, self.group).sum()
 
     def alike(self, name: str, grad=None) -> bool:
         """Every tensor-parallel rank holds this parameter whole (a norm's weight): not cut."""
@@ -80,22 +91,11 @@ class TensorAxis(Axis):
         return whole_weights(weights, self.split, self.group)
 
 
-class TorchTensorAxis(Axis):
+class TorchTensorAxis(_Tensor):
     """PyTorch's own cut (`tensor/reference.py`): `parallelize_module` on the tensor-parallel
     dimension of the device mesh, then the data-parallel wrapper (FSDP2) on the other, as
     torchtitan composes them. Its weights are DTensors, so the data-parallel form saves and joins
     them as they are: no link of its own in the checkpoint chain."""
-
-    name = "tensor"
-
-    def __init__(self, options, env, mesh):
-        super().__init__(options, env, mesh)
-        self.size, self.group = mesh.tp_size, mesh.tp_group
-
-    def check_model(self, meta_model) -> None:
-        from minidist.parallel.tensor.llama import check_splittable
-
-        check_splittable(meta_model, self.size)
 
     def cut(self, model, strategy=None):
         from minidist.parallel.tensor.reference import parallelize_llama_torch
@@ -105,10 +105,6 @@ class TorchTensorAxis(Axis):
         if hasattr(model, "lm_head"):  # under a pipeline, the last stage's
             model.lm_head.register_forward_hook(_whole_logits_in_eval)
         return model
-
-    @property
-    def sequence_multiple(self) -> int:
-        return self.size if self.options.sequence_parallel else 1
 
     def cross_entropy_sum(self, logits, targets):
         # inside loss_context: PyTorch's loss_parallel takes the DTensor logits cut by vocabulary. The local
@@ -120,13 +116,6 @@ class TorchTensorAxis(Axis):
         from minidist.parallel.tensor.reference import loss_parallel
 
         return loss_parallel()
-
-    def norm_groups(self) -> list:
-        return [self.group]
-
-    @property
-    def alike_copies(self) -> int:
-        return self.size
 
     def alike(self, name: str, grad=None) -> bool:
         """A gradient on the data-parallel mesh alone (a norm's weight) is the same on every
