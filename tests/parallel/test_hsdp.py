@@ -1,8 +1,9 @@
 """Hybrid sharding (`--strategy hsdp`) on 2 simulated nodes x 2 CPU ranks (`launch(..., nodes=2)`).
 
 HSDP shards within a node and replicates across nodes (`parallel/mesh.py`). It must not change the
-arithmetic: the hand-written one and PyTorch's FSDP2 on a 2-D mesh give the losses and weights of
-one process training on the whole global batch, with and without accumulation. It must send what
+arithmetic: the hand-written one and PyTorch's FSDP2 on a 2-D mesh give the losses, gradient norms
+and weights of one process training on the whole global batch, with and without accumulation (the
+weights compared as `tests/reference.py` says, by what AdamW does to each element). It must send what
 the formula says (`parallel/comm.py`): per rank, within its node 2 all-gathers of each layer unit,
 1 of the root (it stays gathered from forward to backward) and 1 reduce-scatter over S ranks,
 (3P - P_root)(S-1)/S elements, and across nodes the all-reduce of its gradient shard over the
