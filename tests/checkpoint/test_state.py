@@ -192,7 +192,7 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, impl):
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
     assert two["losses"][:6] == four["losses"][:6]
     for name, tensor in reference["parameters"].items():
-        torch.testing.assert_close(two["parameters"][name], tensor, rtol=1e-5, atol=3e-3 / 100, msg=name)
+        torch.testing.assert_close(two["parameters"][name], tensor, rtol=1e-5, atol=3e-3 / 100, msg=lambda m: f"{name}: {m}")
     assert metrics_steps(out) == list(range(1, 9))
 
 

@@ -89,7 +89,7 @@ def assert_same(run, reference, exact=True):
         if exact:
             assert torch.equal(run["parameters"][name], tensor), name
         else:  # 1e-5 of the weights, and well under one step's change (lr 3e-3)
-            torch.testing.assert_close(run["parameters"][name], tensor, rtol=1e-5, atol=3e-5, msg=name)
+            torch.testing.assert_close(run["parameters"][name], tensor, rtol=1e-5, atol=3e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "torch"])

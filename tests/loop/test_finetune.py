@@ -150,7 +150,7 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
     # a last-bit difference in summation order moves that element's step by a fraction of lr.
     # Seen here: at most 1e-5 on a handful of 400k elements; allowed: 1% of one step (lr).
     for name, ref in ref_params.items():
-        torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=name)
+        torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=lambda m: f"{name}: {m}")
 
     # What the run leaves behind: one metrics line per step, and a model from_pretrained can load.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -180,7 +180,7 @@ def test_every_split_matches_the_single_process_reference(tiny_model, reference,
             assert 0 <= r["comm_bytes"] - 2 * parameters * (world - 1) / world * 4 < 2 * 4 * world * 8
     saved = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     for name, tensor in saved.state_dict().items():
-        torch.testing.assert_close(tensor, result["parameters"][name], rtol=0, atol=0)
+        torch.testing.assert_close(tensor, result["parameters"][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("impl,strategy,extra", BF16)

@@ -58,13 +58,13 @@ def test_weights_are_read_on_rank_0_only(model_dirs, monkeypatch, impl, strategy
     full = results[0]["full"]
     assert full.keys() == expected.keys()
     for name, tensor in expected.items():
-        torch.testing.assert_close(full[name], tensor, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(full[name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     buffers = dict(reference.named_buffers())
     with torch.no_grad():
         logits = reference(torch.arange(1, 17).unsqueeze(0)).logits
     for rank, result in enumerate(results):
         assert result["buffers"].keys() == buffers.keys()
         for name, buf in buffers.items():  # Llama's inv_freq: not in a state dict, yet right on every rank
-            torch.testing.assert_close(result["buffers"][name], buf, rtol=0, atol=0, msg=f"rank {rank}: {name}")
-        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+            torch.testing.assert_close(result["buffers"][name], buf, rtol=0, atol=0, msg=lambda m: f"rank {rank}: {name}: {m}")
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank}, logits: {m}")
         assert result["tied"] in (None, True), f"rank {rank}: the output layer is no longer the embedding"

@@ -181,7 +181,7 @@ def test_lora_matches_one_process_and_leaves_the_base_untouched(tiny_model, game
     lora_names = [n for n in ref_state if "lora_" in n]
     assert sum(ref_state[n].numel() for n in lora_names) == trained > 0
     for name in lora_names:  # the adapters trained as in one process (tolerance: test_finetune.py's)
-        torch.testing.assert_close(result["parameters"][name], ref_state[name], rtol=1e-5, atol=LR / 100, msg=name)
+        torch.testing.assert_close(result["parameters"][name], ref_state[name], rtol=1e-5, atol=LR / 100, msg=lambda m: f"{name}: {m}")
     for name, ref in ref_state.items():  # the frozen base, gathered from every rank's shard where sharded
         if "lora_" not in name:
             assert torch.equal(result["parameters"][name], ref), name
@@ -313,7 +313,7 @@ def test_lora_under_hsdp_matches_one_process(full_resumes, references, impl):
     assert result["parameters"].keys() == ref_state.keys()
     for name, ref in ref_state.items():
         if "lora_" in name:
-            torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=name)
+            torch.testing.assert_close(result["parameters"][name], ref, rtol=1e-5, atol=LR / 100, msg=lambda m: f"{name}: {m}")
         else:
             assert torch.equal(result["parameters"][name], ref), name
     assert any(result["parameters"][n].abs().sum() > 0 for n in ref_state if "lora_B" in n)

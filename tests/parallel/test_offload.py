@@ -119,7 +119,7 @@ def test_offload_in_fp32_matches_one_process(parity_runs, llama):
         if name.endswith("/offload") and "bf16" not in name:
             torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
             for key, tensor in ref_params.items():
-                torch.testing.assert_close(run["parameters"][key], tensor, rtol=1e-5, atol=LR / 50, msg=f"{name} {key}")
+                torch.testing.assert_close(run["parameters"][key], tensor, rtol=1e-5, atol=LR / 50, msg=lambda m: f"{name} {key}: {m}")
 
 
 def test_masters_and_their_gradients_live_on_the_host(launches):
