@@ -123,14 +123,15 @@ def test_data_parallel_bytes_follow_the_formulas(launched, reference, name):
     gathers every unit for forward and the layer units again for backward, and reduce-scatters
     the gradients, (3P - P_root)(N-1)/N with the root unit (embedding, final norm, output layer)
     kept from forward to backward. ZeRO's and FSDP's flat buffers are padded to a multiple of N:
-    fewer than N elements each, gathered or reduced at most 3 times a step."""
+    fewer than N elements each, sent at most 3 times a step, in at most 3 buffers here (FSDP's root
+    and 2 layer units; ZeRO-2's one bucket of 25 MB); with the gradient norm's scalar, within that."""
     records = launched[1][name][1]
     parameters = reference[1]
     p = sum(t.numel() for t in parameters.values())
     p_root = sum(t.numel() for key, t in parameters.items() if not key.startswith("model.layers."))
     share = (WORLD - 1) / WORLD
     expected = {"ddp": 2 * p, "zero2": 2 * p, "fsdp": 3 * p - p_root}[name] * share * 4
-    padding = 0 if name == "ddp" else 3 * (len(parameters) + 1) * WORLD * 4
+    padding = 0 if name == "ddp" else 3 * 3 * WORLD * 4
     for r in records:
         assert 0 <= r["comm_bytes"] - expected <= padding, (name, r["step"], r["comm_bytes"], expected)
 
