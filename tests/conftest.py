@@ -1,7 +1,7 @@
 """Shared fixtures: a tiny Llama written once per test session, loaded like any hub model; a weightier
-one and long games for the memory measurements (tests/memory, tests/parallel's LoRA). And the
-session's summary of each notebook's time and of the long modules. (The real SLURM cluster's
-fixture is `cluster/conftest.py`'s.)"""
+one and long games for the memory measurements (tests/memory, tests/parallel's LoRA). The `slow`
+marker, which splits the suite in two tiers. And the session's summary of each notebook's time and
+of the long modules. (The real SLURM cluster's fixture is `cluster/conftest.py`'s.)"""
 
 import pytest
 
@@ -9,6 +9,17 @@ from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.hf.models import write_tiny_llama
 from session_summary import long_modules, notebook_times
+
+
+def pytest_configure(config):
+    """Two tiers: `python -m pytest tests -m "not slow"` is the fast one a newcomer runs first (the
+    layout rules, the pipeline's schedules and their NCCL-order model, the byte formulas, the memory
+    estimate, bad input in one line, and one 2-rank parity run of each hand-written strategy,
+    tests/parallel/test_fast_parity.py); `python -m pytest tests` is the whole suite, what CI runs.
+    A module or a test is slow when it runs notebooks, SLURM, fault injection or benchmarks,
+    launches ranks more than once, or is long otherwise (lessons/reference/tests.md says which)."""
+    config.addinivalue_line("markers", "slow: the full suite only (notebooks, SLURM, fault injection, benchmarks, "
+                                       "repeated launches, long runs); deselect with -m \"not slow\"")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# The full suite only: the benchmarks, each launching its ranks.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num_layers", "2", "--batch_size", "2", "--seq_len", "16", "--warmup", "1", "--steps", "2", "--rounds", "2"]
 

@@ -17,6 +17,9 @@ from minidist.bench import gate, gpu, gpu_report, snapshot, threads
 from minidist.memory import estimator
 from minidist.runtime.metrics import PEAK_BF16_FLOPS
 
+# The full suite only: the GPU check's smoke mode and its tables, on 1B-parameter shapes.
+pytestmark = pytest.mark.slow
+
 H100 = 85_045_000_000  # bytes, torch.cuda.get_device_properties(...).total_memory of an H100 80GB HBM3 (79.2 GiB)
 H200 = 150_100_000_000  # an H200 (139.8 GiB): what it reports
 ON_A_GPU = types.SimpleNamespace(device=torch.device("cuda", 0))  # estimate() reads only the device's type

@@ -25,6 +25,9 @@ from minidist.checkpoint import checksums, data_only, state
 from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 
+# The full suite only: planted payloads in real sharded checkpoints, written by training runs.
+pytestmark = pytest.mark.slow
+
 
 class Payload:
     """Unpickled, it runs a shell command: what a planted checkpoint would do on every rank."""

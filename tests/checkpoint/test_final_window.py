@@ -24,6 +24,9 @@ from in_process import run_here
 from interrupted import few_games, interrupt_one_process, interrupt_with_torchrun
 from train_workers import run_finetune
 
+# The full suite only: fault injection: runs stopped by a signal during their final evaluation and write.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def games(tmp_path_factory) -> Path:

@@ -26,6 +26,9 @@ import pytest
 from minidist.checkpoint import output_dir, preemption
 from interrupted import few_games, ROOT, interrupt_with_torchrun
 
+# The full suite only: fault injection: runs under torchrun stopped by a hang-up.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def games(tmp_path_factory) -> Path:

@@ -15,6 +15,9 @@ from kill_workers import save_and_resume_every_kill
 
 from minidist.runtime.launch import launch
 
+# The full suite only: fault injection: a run killed at every step and resumed.
+pytestmark = pytest.mark.slow
+
 # What each save's kill points may resume, in this order (latest moves forward only; re-saving
 # step 3, it goes back to checkpoint-2 before the older checkpoint-3 is moved aside).
 IN_ORDER = {"save 1": ["fresh", 1], "save 3": [2, 3], "save 3 again": [3, 2, 3]}

@@ -33,6 +33,9 @@ from minidist.strategy.options import ParallelOptions
 from minidist.strategy import get_strategy
 from in_process import run_here_in_one_line as run_here  # a run that fails says why in one line
 
+# The full suite only: fault injection: runs stopped and resumed, nothing lost.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

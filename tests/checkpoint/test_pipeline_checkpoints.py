@@ -38,6 +38,9 @@ from minidist.strategy.state.pipeline import check_layout
 from minidist.runtime.errors import UsageError
 from minidist.runtime.launch import launch
 
+# The full suite only: checkpoints of every pipeline layout, saved and loaded in several launches.
+pytestmark = pytest.mark.slow
+
 
 def args(model, games, out, strategy, pp, *extra, impl="minidist", tp=1):
     """4 steps of the strategy at pp size `pp` (and tp size `tp`), micro-batches of 1 sequence, `pp`

@@ -30,6 +30,9 @@ from minidist.strategy import get_strategy
 from minidist.runtime.distributed import cleanup, init_distributed
 from minidist.runtime.launch import launch
 
+# The full suite only: fault injection: real runs killed and resumed, in several launches.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 # How each strategy's first run ends, and the checkpoint form it writes. Every run saves at
 # step 4; SIGKILL comes in the middle of step 8's save, SIGTERM after step 6.

@@ -24,6 +24,9 @@ from minidist.strategy.state.tensor import check_layout
 from minidist.runtime.errors import UsageError
 from minidist.runtime.launch import launch
 
+# The full suite only: tensor-parallel checkpoints, saved and loaded in several launches.
+pytestmark = pytest.mark.slow
+
 
 def args(model, games, out, strategy, tp, batch, *extra):
     """4 steps of the minidist strategy over `tp` tensor-parallel ranks, global batch 4."""

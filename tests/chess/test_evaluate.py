@@ -13,6 +13,9 @@ from minidist.chess.games import bundled_games
 from minidist.hf.models import load_model, load_tokenizer
 from minidist.runtime.launch import launch
 
+# The full suite only: the legal-move rate under every strategy, in several launches.
+pytestmark = pytest.mark.slow
+
 
 class AlwaysSays(torch.nn.Module):
     """A stand-in output layer: whatever the model computed, one token is the most likely."""

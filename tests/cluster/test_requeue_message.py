@@ -10,6 +10,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+# The full suite only: a batch script under a real SLURM started on this machine.
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "chess_finetune.sh"
 
 

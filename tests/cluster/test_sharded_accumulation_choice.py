@@ -20,6 +20,9 @@ import pytest
 from minidist import finetune
 from minidist.strategy.options import ParallelOptions
 
+# The full suite only: the batch scripts' choices under a real SLURM started on this machine.
+pytestmark = pytest.mark.slow
+
 SLURM = Path(__file__).resolve().parents[2] / "slurm"
 SCRIPT, LIBRARY = SLURM / "chess_finetune.sh", SLURM / "allocation.sh"
 FLAG = "--accumulate_sharded"

@@ -33,6 +33,9 @@ import torch
 
 from minidist.chess.games import bundled_games
 
+# The full suite only: the batch scripts under a real SLURM started on this machine.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "slurm"
 SMALL = ["--max_seq_length", "48", "--eval_prefixes", "0"]  # short games, no evaluation

@@ -13,8 +13,13 @@ test asserts that refusal too, so that a release of Accelerate that runs FSDP on
 (and the override can go).
 """
 
+import pytest
+
 from minidist.bench.accelerate_parity import both_sides, compare
 from minidist.runtime.launch import launch
+
+# The full suite only: Accelerate's run against the loop's, each launching its ranks.
+pytestmark = pytest.mark.slow
 
 
 def test_accelerate_fsdp2_loss_curve_equals_minidists(tiny_model, tmp_path):

@@ -22,6 +22,9 @@ import pytest
 
 from exercise_workers import EXERCISES, CheckError, check, exercise_of, skeleton
 
+# The full suite only: every exercise's check, each launching its ranks.
+pytestmark = pytest.mark.slow
+
 YOURS = os.environ.get("MINIDIST_EXERCISE")
 
 # ---------------------------------------------------------------------------------- plausible wrong solutions

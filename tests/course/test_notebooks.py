@@ -22,6 +22,9 @@ import pytest
 import nbclient
 import nbformat
 
+# The full suite only: the lesson notebooks, each run top to bottom under a Jupyter kernel.
+pytestmark = pytest.mark.slow
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 BUDGET_S = 90  # seconds per notebook on the 2-core CI machine, kernel start included: reported, never asserted
 HANG_GUARD_S = 600  # seconds per cell before nbclient gives up on it: a hang, not a slow machine

@@ -11,6 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from minidist.hf import models
 
+# The full suite only: the model command in processes of their own, and a model of a few million parameters.
+pytestmark = pytest.mark.slow
+
 
 def test_every_legal_move_of_random_games_is_one_token():
     tokenizer = models.build_chess_tokenizer()

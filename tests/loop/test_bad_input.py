@@ -307,6 +307,7 @@ def test_bench(capsys, argv, expected):
 
 
 # ---------------------------------------------------------------- in a process of its own
+@pytest.mark.slow  # a fresh interpreter, transformers imported again
 def test_an_uncached_name_fails_at_once_without_the_hub(tmp_path):
     # No HF_HUB_OFFLINE: the hub is simply not there (a refused port stands for a node without
     # internet, whatever this machine reaches). The hub client would retry for ~25 s, saying so.
@@ -322,6 +323,7 @@ def test_an_uncached_name_fails_at_once_without_the_hub(tmp_path):
         "where there is internet, or pass a local folder"]
 
 
+@pytest.mark.slow  # torchrun and 2 ranks of its own
 def test_under_torchrun_the_line_comes_first_and_is_the_root_cause(bad, tmp_path):
     """torchrun prints a summary of its own when a rank fails; the learner's line must come before
     it, once, and be what the summary and torchrun's error file name as the root cause."""

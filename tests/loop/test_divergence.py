@@ -26,6 +26,9 @@ from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.runtime.divergence import Watch
 
+# The full suite only: fault injection: divergences made for real by training runs.
+pytestmark = pytest.mark.slow
+
 VOCAB = 1975  # the chess tokenizer's
 
 

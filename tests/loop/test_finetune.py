@@ -28,6 +28,9 @@ from interrupted import few_games
 from reference import train_reference
 from train_workers import run_finetunes, run_finetunes_then_leave
 
+# The full suite only: every split of the batch over 1 to 8 ranks, one launch per world size.
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, LR, SEED = 4, 48, 3e-3, 3
 
 

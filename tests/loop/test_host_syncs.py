@@ -22,6 +22,9 @@ from minidist.runtime.distributed import cleanup
 from minidist.runtime.host_syncs import HostSyncs
 from minidist.runtime.launch import launch
 
+# The full suite only: host syncs counted over whole runs, in several launches.
+pytestmark = pytest.mark.slow
+
 BUDGET = sum(HOST_SYNCS_PER_STEP.values())
 STRATEGIES = ("ddp", "zero2", "fsdp")
 ACCUMULATION = (1, 3)  # micro-batches per optimizer step: 3 would show a sync per micro-batch three times

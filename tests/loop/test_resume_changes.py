@@ -24,6 +24,9 @@ from minidist.chess.games import bundled_games
 from minidist.hf.models import write_tiny_gpt2
 from minidist.step import lr_schedule
 
+# The full suite only: runs trained, stopped and resumed with changed options.
+pytestmark = pytest.mark.slow
+
 GAMES = jsonl.load_games(bundled_games("train"))
 
 

@@ -11,6 +11,9 @@ import transformers as T
 
 from minidist.memory import evaluation
 
+# The full suite only: evaluation peaks measured through generate and a Trainer.
+pytestmark = pytest.mark.slow
+
 BATCH, SOURCE, TARGET, MAX_LENGTH = 3, 11, 5, 7
 
 

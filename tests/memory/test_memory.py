@@ -67,6 +67,7 @@ def flag(extra: list, name: str, default):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.slow  # one launch per world size, 1 to 4 ranks
 def test_the_loop_measures_what_the_estimate_says(weighty_model, architectures, long_games, tmp_path, world_size):
     """Three optimizer steps per case, six for FSDP2 on 2 and 4 ranks, all in one launch; the loop's
     metrics.jsonl against the estimate.
@@ -265,6 +266,7 @@ def architectures(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gpt_neox", "mixtral", "qwen2_moe", "gpt2"])
+@pytest.mark.slow  # a forward of five more architectures
 def test_every_architecture_saves_what_the_estimate_says(architectures, kind):
     """Not only Llama: the estimate's activations (traced on fake tensors at batch 1 and 2, taken to
     batch 3) against what the real forward saves, within 5%, in fp32 padded, bf16 checkpointed and
@@ -321,6 +323,7 @@ def run_cli(*argv):
                           timeout=120, env=env)
 
 
+@pytest.mark.slow  # a fresh interpreter, transformers imported again
 def test_the_command_works_offline_from_the_bundled_config():
     done = run_cli("codellama/CodeLlama-7b-hf", "--world_size", "4", "--strategy", "fsdp", "--batch_size_per_device", "1",
                    "--max_seq_length", "1024", "--gradient_checkpointing", "--gpu_memory", "80GB", "--json")
@@ -331,6 +334,7 @@ def test_the_command_works_offline_from_the_bundled_config():
     assert result["others"]["deepspeed"] < result["bytes"]["peak"]  # model states only
 
 
+@pytest.mark.slow  # a fresh interpreter, transformers imported again
 def test_an_unknown_model_without_network_ends_with_one_line():
     done = run_cli("some-org/not-cached")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
@@ -381,6 +385,7 @@ def family_configs():
     }
 
 
+@pytest.mark.slow  # every family's trace
 def test_the_command_estimates_every_family_from_its_config_folder(tmp_path, capsys):
     """`python -m minidist.memory FOLDER` on a config.json alone, for each family: a table whose
     activations were traced, layer by layer; an encoder-decoder whole, with the line that the loop
@@ -410,6 +415,7 @@ def test_no_padding_drops_the_mask(tmp_path, capsys):
     assert unpadded == estimator.estimate(shape, estimator.setup(batch_size_per_device=4, max_seq_length=256, padded=False))["activations"]
 
 
+@pytest.mark.slow  # training runs of two more models
 def test_an_untraceable_architecture_and_an_encoder_decoder_in_the_loop_end_in_one_line(tmp_path, capsys):
     """CTRL names no repeated layer class, so nothing can say what a layer saves: one line, no
     guess. The loop, given T5, says it trains causal LMs only, and where its memory can be estimated."""

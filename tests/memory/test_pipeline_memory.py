@@ -17,6 +17,9 @@ import pytest
 from minidist.memory import __main__ as memory_command
 from minidist.memory import estimator, pipeline, trace
 
+# The full suite only: measured pipeline peaks, in the pipeline modules' launches.
+pytestmark = pytest.mark.slow
+
 CASES = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]
 SEQUENCES, LENGTH = 8, 16  # pipeline_workers.global_batch: the longest sequence is 16 tokens
 # The issue asks for 5%. The two agree to 0.002% (a few bytes of the loss): at 5% the check would miss a

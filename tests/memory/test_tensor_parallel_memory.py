@@ -32,6 +32,9 @@ from minidist.memory import estimator, report
 from minidist.parallel.tensor.vocab import padded_vocab_size
 from minidist.runtime.launch import launch
 
+# The full suite only: measured tensor-parallel peaks, in several launches.
+pytestmark = pytest.mark.slow
+
 # tp: (sequence parallelism, the vocabulary grown to a multiple of this) in one launch
 CASES = {1: [(False, 1)], 2: [(False, 1), (True, 1), (False, 2)], 4: [(False, 1), (True, 1)]}
 TOKENS = workers.BATCH * workers.SEQ

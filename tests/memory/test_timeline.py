@@ -8,6 +8,7 @@ the memory timeline of one step.
 - The memory timeline's highest sample is the peak `LiveTensors` measures for the same step.
 """
 
+import pytest
 import torch
 
 from minidist.bench import timeline
@@ -16,6 +17,9 @@ from minidist.memory import measure
 from minidist.memory.timeline import step_timeline
 
 import timeline_workers
+
+# The full suite only: a memory timeline recorded over a launched run.
+pytestmark = pytest.mark.slow
 
 PHASES = ("forward", "backward", "optimizer step")
 

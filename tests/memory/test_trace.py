@@ -18,6 +18,9 @@ import transformers as T
 from minidist.memory import estimator, llama_layer, measure, trace
 from tiny_configs import BATCH, CONFIGS, SEQ, SMALL, TARGET, assert_equal
 
+# The full suite only: a forward traced for each of many architectures.
+pytestmark = pytest.mark.slow
+
 # In fp32 the experts' grouped matmul is traced through transformers' fallback op (PyTorch's meta rule
 # for `_grouped_mm` takes bf16 only), which keeps the groups' offsets (int32, one per expert) out of
 # the saved tensors: the trace is short by 4 bytes per expert per sparse layer.

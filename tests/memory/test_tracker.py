@@ -15,6 +15,9 @@ from transformers import LlamaConfig, T5Config
 from minidist.memory import __main__ as memory_command
 from minidist.memory import estimator, report, tracker
 
+# The full suite only: whole steps under PyTorch's MemTracker.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):

@@ -26,6 +26,9 @@ from minidist.memory import estimator
 from minidist.strategy.options import ParallelOptions
 from minidist.runtime.launch import launch
 
+# The full suite only: sharded accumulation against the reference, in several launches.
+pytestmark = pytest.mark.slow
+
 GLOBAL_BATCH, STEPS, SEQ, LR, ACCUM = 16, 2, 48, 3e-3, 2
 BUCKET_CAP_MB = 0.05  # ZeRO-2: several buckets, each padded
 LOSS_RTOL, RTOL, ATOL = 1e-5, 1e-5, LR / 50  # as test_zero_fsdp.py, whose comment says why

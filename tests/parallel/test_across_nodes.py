@@ -14,6 +14,9 @@ from hsdp_workers import step_bytes_for_each
 from minidist.parallel.across_nodes import bytes_leaving_a_node, bytes_per_nic
 from minidist.runtime.launch import launch
 
+# The full suite only: bytes across simulated nodes, counted in a 4-rank launch.
+pytestmark = pytest.mark.slow
+
 P, P_ROOT = 6_738_546_688, 262_279_168  # CodeLlama-7b: all parameters; embeddings, final norm and output layer
 
 

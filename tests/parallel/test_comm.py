@@ -26,6 +26,7 @@ def launches():
     return out
 
 
+@pytest.mark.slow  # one launch per world size, 2 to 4 ranks
 @pytest.mark.parametrize("world", RING)
 def test_the_ring_all_reduce_equals_the_library_call(launches, world):
     all_results = [rank["ring"] for rank in launches[world]]
@@ -41,6 +42,7 @@ def test_the_ring_all_reduce_equals_the_library_call(launches, world):
         assert total == 2 * (world - 1) * size * 8
 
 
+@pytest.mark.slow  # in the launches of 2 and 4 ranks
 @pytest.mark.parametrize("world", COUNTS)
 def test_reduce_scatter_and_all_gather_and_their_byte_counts(launches, world):
     shard_size = COUNTS_SHARD
@@ -56,6 +58,7 @@ def test_reduce_scatter_and_all_gather_and_their_byte_counts(launches, world):
         assert r["ar_bytes"] == 2 * (world - 1) * nbytes / world
 
 
+@pytest.mark.slow  # in the launches of 2 and 3 ranks
 @pytest.mark.parametrize("world", SCRATCH)
 def test_a_scratch_reduce_scatter_gives_the_same_shard_without_gloos_copy(launches, world):
     """PyTorch's gloo reduce-scatter all-reduces a copy of its input; ZeRO-2's and FSDP's inputs

@@ -15,6 +15,9 @@ from reference import train_reference
 from minidist.hf import models
 from minidist.runtime.launch import launch
 
+# The full suite only: DDP on 2 and 4 ranks from different weights, in several launches.
+pytestmark = pytest.mark.slow
+
 GLOBAL_BATCH, STEPS, SEQ, LR = 16, 5, 48, 3e-3
 FROZEN = "model.layers.0.self_attn.q_proj.weight"
 BUCKET_CAP_MB = 0.05  # small, so the tiny model spreads over several buckets

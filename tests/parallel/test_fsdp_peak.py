@@ -13,6 +13,9 @@ import pytest
 
 from minidist.runtime.launch import launch
 
+# The full suite only: FSDP's whole-step peak, measured in launched ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_hand_written_fsdp_peaks_no_higher_than_fsdp2_when_a_unit_dominates(world_size):

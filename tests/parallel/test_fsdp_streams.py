@@ -20,6 +20,9 @@ from ddp_workers import run_cases
 
 from minidist.runtime.launch import launch
 
+# The full suite only: FSDP's streams and prefetch, in several launches.
+pytestmark = pytest.mark.slow
+
 ACCUMULATION = 2
 
 

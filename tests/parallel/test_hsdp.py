@@ -28,6 +28,9 @@ from minidist.memory import estimator, hybrid
 from minidist.runtime.launch import launch
 from minidist.step import lr_schedule
 
+# The full suite only: hybrid sharding on 4 ranks, in several launches.
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, LR, SEED, GLOBAL_BATCH = 4, 48, 3e-3, 3, 8
 WORLD, NODES = 4, 2
 # (implementation, batch per device, accumulation, checkpoint form): 4 ranks, a global batch of 8.

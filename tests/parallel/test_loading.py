@@ -22,6 +22,9 @@ from minidist.hf import models
 from minidist.runtime.launch import launch
 from loading_workers import load_and_report
 
+# The full suite only: loading under FSDP, one launch per model and world size.
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S, SLOW_S = 4, 6  # the process group's timeout, and how long rank 0's read of each file takes
 
 # (implementation, strategy, model, world size, simulated nodes, rank 0 slowed beyond the timeout)

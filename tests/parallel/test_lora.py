@@ -25,6 +25,9 @@ from minidist import finetune
 from minidist.runtime.launch import launch
 from minidist.step import lr_schedule
 
+# The full suite only: LoRA under every strategy, in several launches.
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, LR, SEED, RANK = 4, 48, 3e-3, 3, 4
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

@@ -25,6 +25,9 @@ from reference import train_reference
 from minidist.hf import models
 from minidist.runtime.launch import launch
 
+# The full suite only: CPU offload under every strategy, in several launches.
+pytestmark = pytest.mark.slow
+
 GLOBAL_BATCH, STEPS, SEQ, LR, BUCKET_CAP_MB = 16, 4, 48, 3e-3, 0.05
 SHARDED = ("zero1", "zero2", "fsdp")
 

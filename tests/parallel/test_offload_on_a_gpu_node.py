@@ -20,6 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minidist.runtime import distributed
 from minidist.runtime.distributed import DistEnv, cleanup, init_distributed
 
+# The full suite only: a training run with offload through the loop.
+pytestmark = pytest.mark.slow
+
 # ------------------------------------------------------------------ threads
 
 TORCHRUN_4 = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}

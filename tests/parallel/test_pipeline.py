@@ -12,6 +12,10 @@ import torch
 
 from minidist.parallel.pipeline import executor, schedules, stages
 
+# The full suite only: the pipeline's cases on 2 and 4 ranks (test_fast_parity.py runs one 2-stage
+# pipeline through the loop).
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-10  # float64: the algorithm, not the rounding (the 1e-5 is for fp32)
 PARITY = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (1, 2, 8)]
 SABOTAGE = ["activations", "gradients", "scale"]  # on 2 ranks, 1F1B, 2 micro-batches

@@ -17,6 +17,9 @@ from minidist.bench import bubble
 from minidist.parallel.pipeline import executor, schedules, stages
 from minidist.runtime.launch import launch
 
+# The full suite only: the bubble measured on a core per stage, a benchmark.
+pytestmark = pytest.mark.slow
+
 # Micro-batches of one sequence, the same work per action whatever m (the formula's setting), on a
 # model whose stages are nearly equal (a 64-token vocabulary: the head is 1% of a 2-layer stage).
 SIZES = {"hidden": 256, "layers": 4, "vocab": 64, "length": 64, "micro_batch": 1, "steps": 5}

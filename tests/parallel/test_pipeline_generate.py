@@ -16,6 +16,9 @@ from minidist.batches import left_padded
 from minidist.chess import legal_moves
 from minidist.parallel.pipeline import generate
 
+# The full suite only: generation through the stages, on 2 and 4 ranks.
+pytestmark = pytest.mark.slow
+
 TWO = [("text", 2), ("cut", 2), ("rate", 2), ("text", 2, "zeros"), ("misplaced", 2)]
 FOUR = [("text", 4), ("cut", 4), ("rate", 4), ("rate", 2)]  # the last: 2 pipelines of 2 stages, side by side
 

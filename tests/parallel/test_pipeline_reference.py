@@ -15,6 +15,9 @@ import torch
 
 from minidist.parallel.pipeline import reference, schedules, stages
 
+# The full suite only: PyTorch's pipelining against the hand-written one, on 2 and 4 ranks.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-10  # float64: the algorithm, not the rounding
 PARITY = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (1, 2, 8)]
 # Bytes of the hidden states of one step's global batch: 8 sequences x 16 tokens x 64 wide x float64.

@@ -25,6 +25,9 @@ from minidist.parallel.zero import ShardedOptimizer
 from minidist.runtime.distributed import cleanup, init_distributed
 from minidist.runtime.launch import launch
 
+# The full suite only: ZeRO-1's optimizer cases and a launch.
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 CAPS_MB = {"small buckets": 400 / 2**20, "one bucket": 25.0, "a bucket per parameter": 0.0}
 SGD_OPTIONS = dict(lr=0.1, momentum=0.9)

@@ -10,6 +10,9 @@ import tensor_workers
 
 from minidist.runtime.launch import launch
 
+# The full suite only: every operator's sabotage and parity on 2 and 4 ranks, one launch each.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-10  # float64: the algorithm, not the rounding (the 1e-5 is for fp32)
 
 PARITY = {2: [(2, False), (2, True)], 4: [(4, False), (4, True)]}  # world size -> (tp, sequence parallel)

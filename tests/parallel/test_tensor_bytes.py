@@ -8,6 +8,9 @@ import tensor_bytes_workers
 from minidist.parallel.tensor import traffic
 from minidist.runtime.launch import launch
 
+# The full suite only: the tensor-parallel bytes on 2 and 4 ranks, one launch each.
+pytestmark = pytest.mark.slow
+
 CASES = {
     "tp": {"sequence_parallel": False, "lengths": [(16, 11, 7)]},
     "sequence parallel": {"sequence_parallel": True, "lengths": [(16, 11, 7)]},

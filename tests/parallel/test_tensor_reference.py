@@ -12,6 +12,9 @@ import tensor_reference_workers
 
 from minidist.runtime.launch import launch
 
+# The full suite only: PyTorch's tensor parallelism against the hand-written one, in several launches.
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-10  # float64, as tests/parallel/test_tensor.py: the algorithm, not the rounding
 LAYERS = 2  # tensor_workers.tiny_llama's
 

@@ -30,6 +30,9 @@ from minidist.runtime.launch import launch
 from reference import train_reference
 from zero_fsdp_workers import run_plan, variant_name
 
+# The full suite only: ZeRO-1, ZeRO-2 and FSDP over every split, two models, 2 and 4 ranks.
+pytestmark = pytest.mark.slow
+
 GLOBAL_BATCH, STEPS, SEQ, LR = 16, 5, 48, 3e-3
 BF16_STEPS, BF16_TRACKED = 20, ("zero2", "fsdp")  # a 20-step bf16 run costs ~10 s of CPU matmuls
 SHARDED = ("zero1", "zero2", "fsdp")

@@ -17,6 +17,9 @@ import torch
 from minidist.runtime import allocator
 from minidist.runtime.launch import launch
 
+# The full suite only: allocator settings checked in launched ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def set_up_heap() -> list:

@@ -14,6 +14,9 @@ from minidist.runtime import distributed
 from minidist.runtime.distributed import DistEnv, cleanup, get_env, init_distributed, read_launch_env
 from minidist.runtime.launch import RankFailed, launch
 
+# The full suite only: the launcher's failures, each in a launch of its own.
+pytestmark = pytest.mark.slow
+
 LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
 
 

@@ -21,6 +21,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# The full suite only: two torchrun agents ending a job, one of them slow.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 PAUSE_S = 3  # the second agent's pause between check-in and wait
 # torchrun, with the exit barrier's check-in followed by a pause: an agent descheduled at that moment.

@@ -4,11 +4,15 @@ import importlib.util
 import json
 
 import numpy as np
+import pytest
 from in_process import run_here, said
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from minidist import finetune
 from minidist.runtime import tensorboard
+
+# The full suite only: a training run and its TensorBoard records.
+pytestmark = pytest.mark.slow
 
 
 def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
