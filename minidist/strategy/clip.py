@@ -16,7 +16,7 @@ where in it such parameters lie, and their squares are counted `alike_share` tim
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.comm import collective_device
+from minidist.parallel import comm
 
 
 def alike_ranges(names_and_sizes, start: int, stop: int, alike) -> list[slice]:
@@ -47,7 +47,7 @@ def clip_grad_norm_(pieces: list[tuple[torch.Tensor, list]], max_norm: float, gr
         part = squares.sum()
         if alike and alike_share != 1.0:
             part = part - (1 - alike_share) * sum((squares[index].sum() for index in alike), squares.new_zeros(()))
-        part = part.to(collective_device(grad, first))  # host shards (--cpu_offload) and device ones
+        part = part.to(comm.collective_device(grad, first))  # host shards (--cpu_offload) and device ones
         total = part if total is None else total + part
     if total is None:  # nothing to clip here (a rank whose pieces have no gradient yet)
         total = torch.zeros((), dtype=torch.float32, device=device)

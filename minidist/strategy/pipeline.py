@@ -24,7 +24,7 @@ ranks. Then five things differ, each a method here:
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.comm import collective_device
+from minidist.parallel import comm
 from minidist.parallel.pipeline import executor, schedules
 from minidist.parallel.pipeline.stages import Stage
 from minidist.strategy.axis import Axis
@@ -59,7 +59,7 @@ class Pipeline:
             loss_sum = self.executor.step(table, micro_batches, num_targets)
         if loss_sum is None:  # not the last stage: it adds nothing to the sum below
             loss_sum = torch.zeros((), device=micro_batches[0]["input_ids"].device, dtype=torch.float32)
-        loss_sum = loss_sum.float().to(collective_device(loss_sum, self.mesh.pp_group))
+        loss_sum = loss_sum.float().to(comm.collective_device(loss_sum, self.mesh.pp_group))
         dist.all_reduce(loss_sum, group=self.mesh.pp_group)  # one number: not counted in the step's bytes
         return loss_sum
 

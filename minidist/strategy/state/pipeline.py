@@ -43,7 +43,7 @@ forms, and this module makes both out of the stages' pieces:
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.comm import collective_device
+from minidist.parallel import comm
 from minidist.parallel.flat_state import MOMENTS, keyed_flats, shard_dtensor
 from minidist.runtime.errors import UsageError
 from minidist.strategy.state.tensor import slices_from_rank0
@@ -93,7 +93,7 @@ def join_stages(state: dict | None, mesh) -> dict | None:
     every = [None] * mesh.pp_size
     dist.gather_object(shapes, every if mesh.pp_rank == 0 else None, dst=first, group=group)
     probe = next(iter(state.values()))
-    device = collective_device(probe, group)  # NCCL sends GPU tensors only
+    device = comm.collective_device(probe, group)  # NCCL sends GPU tensors only
     if mesh.pp_rank != 0:
         for tensor in state.values():
             dist.send(tensor.to(device).contiguous(), dst=first, group=group)

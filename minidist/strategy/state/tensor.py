@@ -42,7 +42,7 @@ planner stops first, since the rows it would read have another shape than the on
 import torch
 import torch.distributed as dist
 
-from minidist.parallel.comm import collective_device
+from minidist.parallel import comm
 from minidist.parallel.flat_state import MOMENTS, as_dtensor, keyed_flats, stage_grid
 from minidist.parallel.tensor.vocab import padded_vocab_size
 from minidist.runtime.errors import UsageError
@@ -63,7 +63,7 @@ def whole_weights(state: dict[str, torch.Tensor], cut: dict[str, tuple[int, int 
             whole[name] = tensor
             continue
         dim, real = cut[name]
-        device = collective_device(tensor, group)  # NCCL gathers GPU tensors only
+        device = comm.collective_device(tensor, group)  # NCCL gathers GPU tensors only
         slices = tensor.to(device).contiguous()
         gathered = slices.new_empty((n, *slices.shape))
         dist.all_gather_into_tensor(gathered.view(-1), slices.view(-1), group=group)  # flat: as gloo wants
@@ -107,7 +107,7 @@ def slices_from_rank0(whole: dict | None, cut_of, group, tp_group, wanted=None) 
     kept = {}
     for key, (shape, dtype) in names[0].items():
         tensor = whole[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype)
-        sent = tensor.to(collective_device(tensor, group)).contiguous()
+        sent = tensor.to(comm.collective_device(tensor, group)).contiguous()
         dist.broadcast(sent, src=0, group=group)
         if wanted is None or wanted(key):
             kept[key] = slice_of(sent, cut_of(key), tp_group).cpu()
