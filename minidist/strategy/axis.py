@@ -29,9 +29,11 @@ class Axis:
         if self.env.is_main:
             print(line)
 
-    def check_model(self, meta_model) -> None:
+    @staticmethod
+    def check_model(options, meta_model) -> None:
         """Raise ValueError, in one sentence, if `meta_model` (built on the meta device: shapes, no
-        memory) cannot be cut this way, before anything is loaded."""
+        memory) cannot be cut this way with `options`, before anything is loaded: from the options
+        alone, before the process groups exist (a model that cannot be cut is told first)."""
 
     def cut(self, model, strategy=None):
         """This rank's part of `model`, cut in place or new."""

@@ -71,19 +71,23 @@ class Strategy:
             across_nodes.split.ranks_per_node = self.env.local_world_size
         return self._mesh
 
+    def axis_classes(self) -> list:
+        """The classes of this run's axes, in the order they cut the model, from the options alone."""
+        from minidist.strategy import pipeline, tensor
+
+        kinds = []
+        if self.options.tp_size > 1:
+            kinds.append(tensor.TorchTensorAxis if self.options.impl == "torch" else tensor.TensorAxis)
+        if self.options.pp_size > 1:
+            kinds.append(pipeline.PipelineAxis)
+        return kinds[::-1] if self.torch_order else kinds
+
     @property
     def axes(self) -> list:
-        """The axes of this run, in the order they cut the model (none: data parallelism alone)."""
+        """The axes of this run, in the order they cut the model (none: data parallelism alone),
+        each built with the mesh (the process groups then exist)."""
         if self._axes is None:
-            from minidist.strategy import pipeline, tensor
-
-            axes = []
-            if self.options.tp_size > 1:
-                kind = tensor.TorchTensorAxis if self.options.impl == "torch" else tensor.TensorAxis
-                axes.append(kind(self.options, self.env, self.mesh))
-            if self.options.pp_size > 1:
-                axes.append(pipeline.PipelineAxis(self.options, self.env, self.mesh))
-            self._axes = axes[::-1] if self.torch_order else axes
+            self._axes = [kind(self.options, self.env, self.mesh) for kind in self.axis_classes()]
         return self._axes
 
     def axis(self, name: str):
@@ -117,8 +121,8 @@ class Strategy:
         layers), before anything is loaded: built on the meta device."""
         from minidist.hf import models
 
-        for axis in self.axes:
-            axis.check_model(models.build_on_meta(name_or_path))
+        for kind in self.axis_classes():  # before the mesh: the model's own limits are told first
+            kind.check_model(self.options, models.build_on_meta(name_or_path))
 
     def load_model(self, name_or_path: str) -> nn.Module:
         """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""

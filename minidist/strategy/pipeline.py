@@ -82,8 +82,9 @@ class PipelineAxis(Axis):
     def describe(self) -> str:
         return f" x pipeline {self.size} ({self.options.value('pp_schedule')})"
 
-    def check_model(self, meta_model) -> None:
-        Stage(meta_model, 0, self.size)  # refuses what cannot be cut: a layer each at least, untied embeddings
+    @staticmethod
+    def check_model(options, meta_model) -> None:
+        Stage(meta_model, 0, options.pp_size)  # refuses what cannot be cut: a layer each at least, untied embeddings
 
     def cut(self, model, strategy=None):
         """This rank's stage of `model` (a Hugging Face Llama, maybe already cut by tensor

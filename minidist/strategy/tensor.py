@@ -37,10 +37,11 @@ class _Tensor(Axis):
     def describe(self) -> str:
         return f" x tensor-parallel {self.size}{' + SP' if self.options.sequence_parallel else ''}"
 
-    def check_model(self, meta_model) -> None:
+    @staticmethod
+    def check_model(options, meta_model) -> None:
         from minidist.parallel.tensor.llama import check_splittable
 
-        check_splittable(meta_model, self.size)
+        check_splittable(meta_model, options.tp_size)
 
     @property
     def sequence_multiple(self) -> int:
