@@ -161,10 +161,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `add_param_group`, `step(closure, **kwargs)`, `zero_grad`, and a `state_dict()` in the
     wrapped optimizer's own form.
 
-    Each group's parameters are packed into flat buckets of their own (the frozen ones too: while
-    frozen they have no gradient and are left alone, and once unfrozen they are stepped, as
-    `torch.optim` steps any parameter with a gradient) (their storage
-    becomes the buckets'); rank r keeps an fp32 master of shard r of each bucket, and optimizer
+    Each group's parameters are packed into flat buckets of their own (their storage becomes the
+    buckets'), the frozen ones too: while frozen they have no gradient and are left alone, and once
+    unfrozen they are stepped, as `torch.optim` steps any parameter with a gradient. Rank r keeps an fp32 master of shard r of each bucket, and optimizer
     states for those masters only. `self.optimizer`, an `optimizer_class` over the masters with
     one group per group given, does the arithmetic. `step` gives each master the gradient of its
     shard (the parameters' gradients must already be averaged over the ranks, as after DDP;
