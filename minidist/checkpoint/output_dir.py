@@ -144,7 +144,7 @@ def _other_runs(out: Path, resume, overwrite: bool) -> str | None:
         shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
         return (f"--output_dir {out} holds another run's checkpoints ({shown}); pass --resume to continue that "
                 f"run, --overwrite_output_dir to delete them and start afresh, or another --output_dir")
-    for name in found:
+    for name in found:  # a link goes as a link: what it points to is not this run's to delete
         path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     return None

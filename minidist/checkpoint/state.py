@@ -69,7 +69,6 @@ import json
 import os
 import random
 import shutil
-import stat
 from pathlib import Path
 
 import torch
@@ -143,8 +142,11 @@ def _fsync_tree(root: Path) -> None:
 
 def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint folder, its manifest first: cut short by a kill, what is left is never
-    taken for a complete checkpoint (`complete`)."""
-    if checkpoint.exists():
+    taken for a complete checkpoint (`complete`). A link of that name is not minidist's folder: the
+    link goes, and nothing it points to (an archived checkpoint linked in to resume from)."""
+    if checkpoint.is_symlink():
+        checkpoint.unlink()
+    elif checkpoint.exists():
         (checkpoint / "checkpoint.json").unlink(missing_ok=True)
         _fsync(checkpoint)
         shutil.rmtree(checkpoint)
@@ -236,7 +238,7 @@ def newest_complete(root: Path, besides: Path | None = None, aside_too: bool = T
     `.replaced` one, an older save moved aside, only if `aside_too` and no other is complete), or None."""
     found = [(not name.endswith(".replaced"), step, root / name) for name in os.listdir(root)
              if (step := checkpoint_step(name.removesuffix(".replaced" if aside_too else ""))) is not None
-             and root / name != besides and (root / name).is_dir()]
+             and root / name != besides and (root / name).is_dir() and not (root / name).is_symlink()]
     return next((path for *_, path in sorted(found, reverse=True) if complete(path)), None)
 
 
@@ -257,10 +259,14 @@ def _manifest(path: Path) -> dict:
         raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
                          f"manifest); resume from another checkpoint or start afresh without --resume")
     for name, size in files.items():
-        found = (path / name).stat() if (path / name).exists() else None
-        if found and not stat.S_ISREG(found.st_mode):  # a FIFO: the checksum would wait for a writer forever
-            raise ValueError(f"checkpoint {path} is damaged: {name} is not a regular file (a pipe, a socket or a "
-                             f"device); resume from another checkpoint or start afresh without --resume")
+        if not data_only.plain_relative(name) or type(size) is not int:  # "../../../etc/hostname", "/x"
+            raise ValueError(f"{manifest} lists {name!r}, which is not a file inside the checkpoint; resume from "
+                             f"another checkpoint or start afresh without --resume")
+        found = os.lstat(path / name) if os.path.lexists(path / name) else None
+        if found and data_only.regular_file_inside(path, name) is None:  # a FIFO would block the checksum forever
+            raise ValueError(f"checkpoint {path} is damaged: {name} is not a regular file of its own (a link, a "
+                             f"pipe, a socket or a device); resume from another checkpoint or start afresh without "
+                             f"--resume")
         have = found.st_size if found else 0
         if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
             raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
@@ -282,7 +288,10 @@ def verify(path: Path, run: dict) -> Path:
                              f"changed since the save); resume from another checkpoint or start afresh "
                              f"without --resume")
     if meta["form"] == "sharded":  # DCP's metadata is a pickle: read it as data, or refuse it (data_only.py)
-        data_only.check(path / "dcp")
+        unlisted = sorted(f"dcp/{name}" for name in data_only.check(path / "dcp") if f"dcp/{name}" not in files)
+        if unlisted:  # every byte read must be one the checksums vouch for
+            raise ValueError(f"checkpoint {path} is damaged: its dcp/.metadata reads {unlisted[0]}, which its "
+                             f"manifest does not list; resume from another checkpoint or start afresh without --resume")
     missing = [key for key, *_ in RESUMED_AS_SAVED if key in run and key not in meta["run"]]
     if missing:  # written before every setting above was recorded: it cannot be checked, so it is refused
         raise ValueError(f"checkpoint {path} was written by an older minidist, which did not record its "
@@ -326,7 +335,7 @@ class Checkpointer:
                     failure = err
 
         if self.env.is_main:
-            attempt(lambda: [shutil.rmtree(self.root / name) for name in os.listdir(self.root)  # cut short
+            attempt(lambda: [_remove(self.root / name) for name in os.listdir(self.root)  # cut short (a link: unlinked)
                              if name.endswith(".tmp") and checkpoint_step(name.removesuffix(".tmp")) is not None])
             attempt(lambda: tmp.mkdir(parents=True))
         dist.barrier()
@@ -410,8 +419,8 @@ class Checkpointer:
             self._point_latest_to(good)
         for name in bad:
             aside = self.root / f"{name}.diverged"
-            if aside.exists():  # an earlier divergence at the same step: the newer one is kept
-                shutil.rmtree(aside)
+            if aside.exists() or aside.is_symlink():  # an earlier divergence at the same step: the newer one is kept
+                _remove(aside)
             os.rename(self.root / name, aside)
         if bad:
             _fsync(self.root)
