@@ -194,6 +194,11 @@ def check(folder) -> set[str]:
                          f"resume from another checkpoint or start afresh without --resume") from None
 
 
+def saved_keys(folder) -> set[str]:
+    """The keys (flattened, `optimizer.step`...) `folder`'s DCP metadata holds, read as `check` reads it."""
+    return set(DataOnlyReader(folder).read_metadata().state_dict_metadata)
+
+
 def load(state: dict, folder) -> None:
     """`dcp.load(state, checkpoint_id=folder)` through `DataOnlyReader` and `DataOnlyPlanner`;
     a refusal on any rank is a UsageError of one line on every rank (DCP gathers the failures)."""
@@ -221,4 +226,10 @@ def load(state: dict, folder) -> None:
             raise UsageError(f"checkpoint {folder} holds tensors of other shapes than this run's ({shapes[0]}): "
                              f"it was written by another layout; resume it with the sizes that wrote it "
                              f"(--tp_size), or start afresh without --resume") from None
+        # A key this run asks for that the checkpoint lacks: another strategy's or layout's pieces.
+        missing = [exc for exc in failures if "Missing key in checkpoint state_dict" in str(exc)]
+        if missing:
+            raise UsageError(f"checkpoint {folder} lacks a piece this run holds ({str(missing[0]).strip()}): it was "
+                             f"written by another layout; resume it with the --tp_size and --pp_size that wrote it, "
+                             f"or start afresh without --resume") from None
         raise

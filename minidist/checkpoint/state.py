@@ -78,6 +78,7 @@ from minidist.checkpoint import checksums, data_only, save_errors
 from minidist.checkpoint.output_dir import checkpoint_step
 from minidist.checkpoint.preemption import pause_if_asked
 from minidist.hf import lora
+from minidist.strategy.state import check_recorded_layouts
 
 
 def model_fingerprint(name_or_path: str) -> dict:
@@ -447,6 +448,7 @@ class Checkpointer:
             # of every tensor into them, whatever the world size that wrote the files. It reads
             # through minidist's reader and planner, which unpickle nothing but data (data_only.py).
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=False)
+            check_recorded_layouts(path, data_only.saved_keys(path / "dcp"), optim_sd)
             state = {"model": model_sd, "optimizer": optim_sd}
             data_only.load(state, path / "dcp")
             self.strategy.set_state_dict(self.model, self.optimizer, state["model"], state["optimizer"], full=False)
