@@ -86,6 +86,9 @@ def _lock(out: Path) -> str | None:
     """Take the lock, taking over a stale one; or say who holds it."""
     out.mkdir(parents=True, exist_ok=True)
     lock, private = out / LOCK, out / f"{LOCK}.{socket.gethostname()}.{os.getpid()}"
+    if lock.is_dir() or lock.is_symlink():  # not the file minidist writes, and not its to remove
+        return (f"{lock} is a {'link' if lock.is_symlink() else 'folder'}, not the lock file minidist writes there; "
+                f"remove it, or pass another --output_dir")
     private.write_text(json.dumps(_mine()) + "\n")
     try:
         for _ in range(2):

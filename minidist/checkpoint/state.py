@@ -78,6 +78,7 @@ from minidist.checkpoint import checksums, data_only, save_errors
 from minidist.checkpoint.output_dir import checkpoint_step
 from minidist.checkpoint.preemption import pause_if_asked
 from minidist.hf import lora
+from minidist.runtime.errors import UsageError
 from minidist.strategy.state import check_recorded_layouts
 
 
@@ -171,6 +172,18 @@ def _manifest_checksum(meta: dict) -> str:
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
+def _load_data(path: Path):
+    """`torch.load(path, weights_only=True)`, its refusal of a pickled object one line that says the
+    file is not plain data (torch's own message advises `weights_only=False`, which would run it)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        raise UsageError(data_only.refusal(path, f"it names {named[0] if named else 'an object'}")) from None
+
+
 def _rng_state(device) -> dict:
     version, state, gauss = random.getstate()
     rng = {"torch": torch.get_rng_state(), "python": (version, torch.tensor(state), gauss)}
@@ -199,6 +212,10 @@ def find(resume: str, output_dir) -> Path:
     that says so: a requeued job goes on by itself. A `latest` minidist cannot have written (a
     folder, a name outside the output folder) is refused in one line."""
     path = Path(output_dir if resume == "latest" else resume)
+    if resume != "latest" and not path.is_dir():  # a typo, or the checkpoint.json itself
+        what = "a file" if path.exists() else "not there"
+        raise ValueError(f"--resume {path} is {what}; pass a checkpoint folder (checkpoint-<step>) or an output "
+                         f"folder, or drop the path to resume the newest checkpoint of --output_dir")
     if (path / "checkpoint.json").exists() or path.name.startswith("checkpoint-"):
         return path
     latest = path / "latest"
@@ -259,6 +276,11 @@ def _manifest(path: Path) -> dict:
     if not intact:
         raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
                          f"manifest); resume from another checkpoint or start afresh without --resume")
+    position = meta.get("position")
+    if type(meta.get("step")) is not int or meta.get("form") not in ("sharded", "full") or not isinstance(
+            position, dict) or not all(type(position.get(k)) is int for k in ("epoch", "offset")):  # edited, resealed
+        raise ValueError(f"{manifest} is damaged: its step, form or position is not what minidist writes; resume "
+                         f"from another checkpoint or start afresh without --resume")
     for name, size in files.items():
         if not data_only.plain_relative(name) or type(size) is not int:  # "../../../etc/hostname", "/x"
             raise ValueError(f"{manifest} lists {name!r}, which is not a file inside the checkpoint; resume from "
@@ -461,12 +483,12 @@ class Checkpointer:
 
                 model_sd = (lora.with_saved_adapter(live, path / "model") if live is not None else
                             AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32).state_dict())
-                optim_sd = torch.load(path / "optimizer.pt", weights_only=True)
+                optim_sd = _load_data(path / "optimizer.pt")
             self.strategy.set_state_dict(self.model, self.optimizer, model_sd, optim_sd, full=True)
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.scheduler.load_state_dict(_load_data(path / "scheduler.pt"))
         rng = path / f"rng-{self.env.rank}.pt"
         if rng.exists():  # a rank beyond the saved world size keeps its own seeded generators
-            _set_rng_state(torch.load(rng, weights_only=True), self.env.device)
+            _set_rng_state(_load_data(rng), self.env.device)
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         position = (meta["position"]["epoch"], meta["position"]["offset"])
         return {"step": meta["step"], "position": position, "records": records, "extra": meta["extra"],

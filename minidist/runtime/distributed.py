@@ -291,7 +291,7 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
     where = read_launch_env(os.environ)
     port = where["master_port"] or find_free_port()
     if timeout_s is None:
-        timeout_s = float(os.environ.get("MINIDIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        timeout_s = _timeout_from_env(os.environ.get("MINIDIST_TIMEOUT_S"))
 
     device, backend = device_and_backend(where["local_rank"], device_type)
     if device.type == "cuda":
@@ -317,6 +317,20 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
     ranks = {k: where[k] for k in ("rank", "world_size", "local_rank", "local_world_size")}
     _env = DistEnv(**ranks, device=device, backend=backend)
     return _env
+
+
+def _timeout_from_env(text: str | None) -> float:
+    """MINIDIST_TIMEOUT_S as seconds (DEFAULT_TIMEOUT_S when unset): a number above 0, or one line."""
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"MINIDIST_TIMEOUT_S={text!r} in the environment is not a number of seconds above 0; "
+                         f"unset it (600 s) or give one, as MINIDIST_TIMEOUT_S=1800")
+    return seconds
 
 
 def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_s: float, every_s: float) -> None:

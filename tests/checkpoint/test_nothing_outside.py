@@ -5,8 +5,10 @@ A link is not minidist's: a checkpoint folder linked in from an archive (to resu
 `checkpoint-N.tmp` link, a link met by --overwrite_output_dir. Each goes as a link, and what it names
 keeps every file. DCP's `.metadata` and the manifest name files by path: a path that is absolute, has
 `..`, names a pipe or claims bytes past a file's end is refused in one line, before anything is read
-(the checksums do not help: whoever hands over a folder recomputes them). One process, 64 games, two
-runs that save (shared by the tests); the faults are in the files.
+(the checksums do not help: whoever hands over a folder recomputes them). What else a resume may
+meet is one line too: a manifest's step written as text, a pickled `scheduler.pt`, `--resume` naming
+a file or nothing, a folder where the lock goes, `MINIDIST_TIMEOUT_S=abc`. One process, 64 games,
+two runs that save (shared by the tests); the faults are in the files.
 """
 
 import json
@@ -16,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from in_process import run_here_in_one_line as run_here
 from test_checkpoint_is_data import argv, games, planted_copy, saved  # noqa: F401 (fixtures)
 
@@ -162,3 +165,64 @@ def test_the_real_metadata_names_only_its_own_listed_files(saved):  # noqa: F811
     named = data_only.check(saved / "dcp")
     assert named and {f"dcp/{name}" for name in named} <= manifest["files"].keys()
     assert pickle.loads((saved / "dcp" / ".metadata").read_bytes()).storage_data  # the check saw every item
+
+
+# ---------------------------------------------------------------- what a resume meets, each one line
+def resealed_with(saved: Path, where: Path, change) -> Path:  # noqa: F811
+    """A copy of `saved` with `change(manifest)` done to its manifest, its own checksum recomputed."""
+    copy = where / "checkpoint-2"
+    shutil.copytree(saved, copy)
+    manifest = json.loads((copy / "checkpoint.json").read_text())
+    change(manifest, copy)
+    manifest.pop("manifest_checksum")
+    manifest["manifest_checksum"] = state._manifest_checksum(manifest)
+    (copy / "checkpoint.json").write_text(json.dumps(manifest))
+    return copy
+
+
+class Payload:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def pickled_scheduler(manifest, copy):
+    torch.save({"last_epoch": Payload()}, copy / "scheduler.pt")
+    manifest["files"]["scheduler.pt"] = (copy / "scheduler.pt").stat().st_size
+    manifest["checksums"]["scheduler.pt"] = checksums.file_checksums(copy, ["scheduler.pt"])["scheduler.pt"]
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("step '4'", "checkpoint.json is damaged: its step, form or position is not what minidist writes"),
+    ("a pickled scheduler.pt", "scheduler.pt is not plain data: it names"),
+    ("--resume a file", "checkpoint.json is a file; pass a checkpoint folder"),
+    ("--resume a missing path", "/missing is not there; pass a checkpoint folder"),
+    ("minidist.lock a folder", "minidist.lock is a folder, not the lock file minidist writes there; remove it"),
+])
+def test_a_resume_that_meets_a_fault_says_it_in_one_line(saved, tiny_model, games, tmp_path, capsys, fault, said):  # noqa: F811
+    resume = str(saved)
+    if fault == "step '4'":
+        resume = str(resealed_with(saved, tmp_path, lambda manifest, _: manifest.update(step="4")))
+    elif fault == "a pickled scheduler.pt":
+        resume = str(resealed_with(saved, tmp_path, pickled_scheduler))
+    elif fault == "--resume a file":
+        resume = str(saved / "checkpoint.json")
+    elif fault == "--resume a missing path":
+        resume = str(tmp_path / "missing")
+    else:
+        (tmp_path / "out" / "minidist.lock").mkdir(parents=True)
+    code, line = run_here(argv(tiny_model, games, tmp_path / "out", "--resume", resume), capsys)
+    assert code == 2 and said in line, line
+    assert "weights_only" not in line
+
+
+def test_minidist_timeout_s_that_is_not_a_number_is_one_line(monkeypatch):
+    from minidist.runtime import distributed
+    from minidist.runtime.errors import UsageError
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for text in ("abc", "0", "inf"):  # refused before any process group is made
+        monkeypatch.setenv("MINIDIST_TIMEOUT_S", text)
+        with pytest.raises(UsageError, match=rf"MINIDIST_TIMEOUT_S='{text}' in the environment is not a number"):
+            distributed.init_distributed()
+        assert not torch.distributed.is_initialized()
