@@ -345,6 +345,7 @@ class Checkpointer:
         """Every rank calls this at the same step boundary. Returns the published folder. A full
         disk fails it on every rank at once, in one line, with the `.tmp` removed (`save_errors.py`)."""
         save_errors.refuse_non_finite(self.optimizer, self.env.device, step)  # never a nan state over a good one
+        self._refuse_if_gone(step)
         final, rank = self.root / f"checkpoint-{step}", self.env.rank
         tmp = final.with_name(final.name + ".tmp")
         failure = None  # this rank's first failed write; the ranks compare them before publishing
@@ -394,6 +395,17 @@ class Checkpointer:
         # Nobody leaves (and maybe exits) before the checkpoint is published, or learns it was not.
         save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
         return final
+
+    def _refuse_if_gone(self, step: int) -> None:
+        """Stop every rank in one line if the output folder was removed during the run (rank 0 looks,
+        and tells the others): a save would make a new, empty one and find no metrics.jsonl in it."""
+        gone = [not self.root.is_dir()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(gone, src=0)
+        if gone[0]:
+            raise UsageError(f"--output_dir {self.root} is gone (removed during the run), and with it this run's "
+                             f"checkpoints and metrics.jsonl; nothing was saved at step {step}: start again, with an "
+                             f"--output_dir nothing else removes")
 
     def _publish(self, tmp: Path, final: Path, step: int, position, extra: dict, sums: dict) -> None:
         files = {name: (tmp / name).stat().st_size for name in sums}

@@ -226,3 +226,20 @@ def test_minidist_timeout_s_that_is_not_a_number_is_one_line(monkeypatch):
         with pytest.raises(UsageError, match=rf"MINIDIST_TIMEOUT_S='{text}' in the environment is not a number"):
             distributed.init_distributed()
         assert not torch.distributed.is_initialized()
+
+
+def test_an_output_folder_removed_during_the_run_is_one_line_at_the_next_save(tiny_model, games, tmp_path, capsys,
+                                                                             monkeypatch):  # noqa: F811
+    """The folder goes between the saves of step 1 and step 2 (as an `rm -r` in another shell would)."""
+    save = state.Checkpointer.save
+
+    def removed_before_step_2(self, step, *args):
+        if step == 2:
+            shutil.rmtree(self.root)
+        return save(self, step, *args)
+
+    monkeypatch.setattr(state.Checkpointer, "save", removed_before_step_2)
+    out = tmp_path / "run"
+    code, line = run_here(argv(tiny_model, games, out, "--save_steps", "1"), capsys)
+    assert code == 2 and f"--output_dir {out} is gone (removed during the run)" in line, line
+    assert not out.exists(), "the save made a new output folder"
