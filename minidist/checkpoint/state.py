@@ -51,7 +51,11 @@ newest complete checkpoint and says so in a line (`tests/checkpoint/test_kill_at
 resumes the folder a kill at every rename and fsync leaves). A checkpoint is complete when its
 manifest is intact and every file has its size; `verify` then checks every byte of the one chosen.
 Rotation, the clean-up of `.tmp` folders and `--overwrite_output_dir` touch only the names minidist
-writes (`output_dir.OURS`): a user's `checkpoint-best/` is left alone.
+writes (`output_dir.OURS`): a user's `checkpoint-best/` is left alone. A link under one of those
+names (an archived checkpoint linked in to resume from) is not minidist's folder: it is removed as
+a link, never followed, and what it names keeps every file. The manifest's paths are plain relative
+names of regular files inside the checkpoint (`_manifest`), and so are DCP's (`data_only.py`): minidist
+never writes, deletes or reads through a path it did not create inside `--output_dir`.
 
 **Data, never code.** DCP's `.metadata` is a pickle, and so are a sharded checkpoint's non-tensor
 entries: read by PyTorch's own reader they run whatever they name. They are read through
