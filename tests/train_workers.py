@@ -120,3 +120,18 @@ def count_host_syncs(argvs) -> list:
         finetune.train(finetune.parse_args(argv), around_step=syncs.step)
         counted.append(syncs)
     return counted
+
+
+def run_finetunes_then_refusals(argvs, refused_argvs) -> tuple[list, list]:
+    """`run_finetunes(argvs)`, then each of `refused_argvs` in turn: the one line each says (None
+    where it trains instead), in the same ranks."""
+    from minidist.runtime.errors import UsageError
+
+    results, lines = run_finetunes(argvs), []
+    for argv in refused_argvs:
+        try:
+            run_finetune(argv)
+            lines.append(None)
+        except UsageError as err:
+            lines.append(str(err))
+    return results, lines

@@ -86,6 +86,9 @@ def _lock(out: Path) -> str | None:
     """Take the lock, taking over a stale one; or say who holds it."""
     out.mkdir(parents=True, exist_ok=True)
     lock, private = out / LOCK, out / f"{LOCK}.{socket.gethostname()}.{os.getpid()}"
+    if lock.is_dir() or lock.is_symlink():  # not the file minidist writes, and not its to remove
+        return (f"{lock} is a {'link' if lock.is_symlink() else 'folder'}, not the lock file minidist writes there; "
+                f"remove it, or pass another --output_dir")
     private.write_text(json.dumps(_mine()) + "\n")
     try:
         for _ in range(2):
@@ -144,7 +147,7 @@ def _other_runs(out: Path, resume, overwrite: bool) -> str | None:
         shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
         return (f"--output_dir {out} holds another run's checkpoints ({shown}); pass --resume to continue that "
                 f"run, --overwrite_output_dir to delete them and start afresh, or another --output_dir")
-    for name in found:
+    for name in found:  # a link goes as a link: what it points to is not this run's to delete
         path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     return None

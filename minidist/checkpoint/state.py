@@ -51,7 +51,11 @@ newest complete checkpoint and says so in a line (`tests/checkpoint/test_kill_at
 resumes the folder a kill at every rename and fsync leaves). A checkpoint is complete when its
 manifest is intact and every file has its size; `verify` then checks every byte of the one chosen.
 Rotation, the clean-up of `.tmp` folders and `--overwrite_output_dir` touch only the names minidist
-writes (`output_dir.OURS`): a user's `checkpoint-best/` is left alone.
+writes (`output_dir.OURS`): a user's `checkpoint-best/` is left alone. A link under one of those
+names (an archived checkpoint linked in to resume from) is not minidist's folder: it is removed as
+a link, never followed, and what it names keeps every file. The manifest's paths are plain relative
+names of regular files inside the checkpoint (`_manifest`), and so are DCP's (`data_only.py`): minidist
+never writes, deletes or reads through a path it did not create inside `--output_dir`.
 
 **Data, never code.** DCP's `.metadata` is a pickle, and so are a sharded checkpoint's non-tensor
 entries: read by PyTorch's own reader they run whatever they name. They are read through
@@ -69,7 +73,6 @@ import json
 import os
 import random
 import shutil
-import stat
 from pathlib import Path
 
 import torch
@@ -79,6 +82,8 @@ from minidist.checkpoint import checksums, data_only, save_errors
 from minidist.checkpoint.output_dir import checkpoint_step
 from minidist.checkpoint.preemption import pause_if_asked
 from minidist.hf import lora
+from minidist.runtime.errors import UsageError
+from minidist.strategy.state import check_recorded_layouts
 
 
 def model_fingerprint(name_or_path: str) -> dict:
@@ -143,8 +148,11 @@ def _fsync_tree(root: Path) -> None:
 
 def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint folder, its manifest first: cut short by a kill, what is left is never
-    taken for a complete checkpoint (`complete`)."""
-    if checkpoint.exists():
+    taken for a complete checkpoint (`complete`). A link of that name is not minidist's folder: the
+    link goes, and nothing it points to (an archived checkpoint linked in to resume from)."""
+    if checkpoint.is_symlink():
+        checkpoint.unlink()
+    elif checkpoint.exists():
         (checkpoint / "checkpoint.json").unlink(missing_ok=True)
         _fsync(checkpoint)
         shutil.rmtree(checkpoint)
@@ -166,6 +174,18 @@ def _write(path: Path, content, text=False) -> None:
 def _manifest_checksum(meta: dict) -> str:
     """checkpoint.json's own checksum, of everything else in it: a damaged step number is refused too."""
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def _load_data(path: Path):
+    """`torch.load(path, weights_only=True)`, its refusal of a pickled object one line that says the
+    file is not plain data (torch's own message advises `weights_only=False`, which would run it)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        raise UsageError(data_only.refusal(path, f"it names {named[0] if named else 'an object'}")) from None
 
 
 def _rng_state(device) -> dict:
@@ -196,6 +216,10 @@ def find(resume: str, output_dir) -> Path:
     that says so: a requeued job goes on by itself. A `latest` minidist cannot have written (a
     folder, a name outside the output folder) is refused in one line."""
     path = Path(output_dir if resume == "latest" else resume)
+    if resume != "latest" and not path.is_dir():  # a typo, or the checkpoint.json itself
+        what = "a file" if path.exists() else "not there"
+        raise ValueError(f"--resume {path} is {what}; pass a checkpoint folder (checkpoint-<step>) or an output "
+                         f"folder, or drop the path to resume the newest checkpoint of --output_dir")
     if (path / "checkpoint.json").exists() or path.name.startswith("checkpoint-"):
         return path
     latest = path / "latest"
@@ -236,7 +260,7 @@ def newest_complete(root: Path, besides: Path | None = None, aside_too: bool = T
     `.replaced` one, an older save moved aside, only if `aside_too` and no other is complete), or None."""
     found = [(not name.endswith(".replaced"), step, root / name) for name in os.listdir(root)
              if (step := checkpoint_step(name.removesuffix(".replaced" if aside_too else ""))) is not None
-             and root / name != besides and (root / name).is_dir()]
+             and root / name != besides and (root / name).is_dir() and not (root / name).is_symlink()]
     return next((path for *_, path in sorted(found, reverse=True) if complete(path)), None)
 
 
@@ -256,11 +280,20 @@ def _manifest(path: Path) -> dict:
     if not intact:
         raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
                          f"manifest); resume from another checkpoint or start afresh without --resume")
+    position = meta.get("position")
+    if type(meta.get("step")) is not int or meta.get("form") not in ("sharded", "full") or not isinstance(
+            position, dict) or not all(type(position.get(k)) is int for k in ("epoch", "offset")):  # edited, resealed
+        raise ValueError(f"{manifest} is damaged: its step, form or position is not what minidist writes; resume "
+                         f"from another checkpoint or start afresh without --resume")
     for name, size in files.items():
-        found = (path / name).stat() if (path / name).exists() else None
-        if found and not stat.S_ISREG(found.st_mode):  # a FIFO: the checksum would wait for a writer forever
-            raise ValueError(f"checkpoint {path} is damaged: {name} is not a regular file (a pipe, a socket or a "
-                             f"device); resume from another checkpoint or start afresh without --resume")
+        if not data_only.plain_relative(name) or type(size) is not int:  # "../../../etc/hostname", "/x"
+            raise ValueError(f"{manifest} lists {name!r}, which is not a file inside the checkpoint; resume from "
+                             f"another checkpoint or start afresh without --resume")
+        found = os.lstat(path / name) if os.path.lexists(path / name) else None
+        if found and data_only.regular_file_inside(path, name) is None:  # a FIFO would block the checksum forever
+            raise ValueError(f"checkpoint {path} is damaged: {name} is not a regular file of its own (a link, a "
+                             f"pipe, a socket or a device); resume from another checkpoint or start afresh without "
+                             f"--resume")
         have = found.st_size if found else 0
         if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
             raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
@@ -282,7 +315,10 @@ def verify(path: Path, run: dict) -> Path:
                              f"changed since the save); resume from another checkpoint or start afresh "
                              f"without --resume")
     if meta["form"] == "sharded":  # DCP's metadata is a pickle: read it as data, or refuse it (data_only.py)
-        data_only.check(path / "dcp")
+        unlisted = sorted(f"dcp/{name}" for name in data_only.check(path / "dcp") if f"dcp/{name}" not in files)
+        if unlisted:  # every byte read must be one the checksums vouch for
+            raise ValueError(f"checkpoint {path} is damaged: its dcp/.metadata reads {unlisted[0]}, which its "
+                             f"manifest does not list; resume from another checkpoint or start afresh without --resume")
     missing = [key for key, *_ in RESUMED_AS_SAVED if key in run and key not in meta["run"]]
     if missing:  # written before every setting above was recorded: it cannot be checked, so it is refused
         raise ValueError(f"checkpoint {path} was written by an older minidist, which did not record its "
@@ -313,6 +349,7 @@ class Checkpointer:
         """Every rank calls this at the same step boundary. Returns the published folder. A full
         disk fails it on every rank at once, in one line, with the `.tmp` removed (`save_errors.py`)."""
         save_errors.refuse_non_finite(self.optimizer, self.env.device, step)  # never a nan state over a good one
+        self._refuse_if_gone(step)
         final, rank = self.root / f"checkpoint-{step}", self.env.rank
         tmp = final.with_name(final.name + ".tmp")
         failure = None  # this rank's first failed write; the ranks compare them before publishing
@@ -326,7 +363,7 @@ class Checkpointer:
                     failure = err
 
         if self.env.is_main:
-            attempt(lambda: [shutil.rmtree(self.root / name) for name in os.listdir(self.root)  # cut short
+            attempt(lambda: [_remove(self.root / name) for name in os.listdir(self.root)  # cut short (a link: unlinked)
                              if name.endswith(".tmp") and checkpoint_step(name.removesuffix(".tmp")) is not None])
             attempt(lambda: tmp.mkdir(parents=True))
         dist.barrier()
@@ -362,6 +399,17 @@ class Checkpointer:
         # Nobody leaves (and maybe exits) before the checkpoint is published, or learns it was not.
         save_errors.give_up_if(save_errors.agree(failure, self.root), tmp, step, self.env.is_main)
         return final
+
+    def _refuse_if_gone(self, step: int) -> None:
+        """Stop every rank in one line if the output folder was removed during the run (rank 0 looks,
+        and tells the others): a save would make a new, empty one and find no metrics.jsonl in it."""
+        gone = [not self.root.is_dir()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(gone, src=0)
+        if gone[0]:
+            raise UsageError(f"--output_dir {self.root} is gone (removed during the run), and with it this run's "
+                             f"checkpoints and metrics.jsonl; nothing was saved at step {step}: start again, with an "
+                             f"--output_dir nothing else removes")
 
     def _publish(self, tmp: Path, final: Path, step: int, position, extra: dict, sums: dict) -> None:
         files = {name: (tmp / name).stat().st_size for name in sums}
@@ -410,8 +458,8 @@ class Checkpointer:
             self._point_latest_to(good)
         for name in bad:
             aside = self.root / f"{name}.diverged"
-            if aside.exists():  # an earlier divergence at the same step: the newer one is kept
-                shutil.rmtree(aside)
+            if aside.exists() or aside.is_symlink():  # an earlier divergence at the same step: the newer one is kept
+                _remove(aside)
             os.rename(self.root / name, aside)
         if bad:
             _fsync(self.root)
@@ -438,6 +486,7 @@ class Checkpointer:
             # of every tensor into them, whatever the world size that wrote the files. It reads
             # through minidist's reader and planner, which unpickle nothing but data (data_only.py).
             model_sd, optim_sd = self.strategy.get_state_dict(self.model, self.optimizer, full=False)
+            check_recorded_layouts(path, data_only.saved_keys(path / "dcp"), optim_sd)
             state = {"model": model_sd, "optimizer": optim_sd}
             data_only.load(state, path / "dcp")
             self.strategy.set_state_dict(self.model, self.optimizer, state["model"], state["optimizer"], full=False)
@@ -450,12 +499,12 @@ class Checkpointer:
 
                 model_sd = (lora.with_saved_adapter(live, path / "model") if live is not None else
                             AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32).state_dict())
-                optim_sd = torch.load(path / "optimizer.pt", weights_only=True)
+                optim_sd = _load_data(path / "optimizer.pt")
             self.strategy.set_state_dict(self.model, self.optimizer, model_sd, optim_sd, full=True)
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.scheduler.load_state_dict(_load_data(path / "scheduler.pt"))
         rng = path / f"rng-{self.env.rank}.pt"
         if rng.exists():  # a rank beyond the saved world size keeps its own seeded generators
-            _set_rng_state(torch.load(rng, weights_only=True), self.env.device)
+            _set_rng_state(_load_data(rng), self.env.device)
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         position = (meta["position"]["epoch"], meta["position"]["offset"])
         return {"step": meta["step"], "position": position, "records": records, "extra": meta["extra"],

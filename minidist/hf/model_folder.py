@@ -20,6 +20,9 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # Sizes every causal LM config has (GPT-2's n_embd, n_layer, ... answer to these names too).
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 OPTIONAL_SIZES = ("intermediate_size", "num_key_value_heads", "max_position_embeddings")
+# A bound on each of those sizes: the largest vocabularies (256,000) and widths (~50,000) of released
+# models, and context lengths of millions, lie well below it; a typo of 10**10 does not.
+MAX_SIZE = 2**24
 
 
 def check_config(config, name: str) -> None:
@@ -30,6 +33,9 @@ def check_config(config, name: str) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"the config of {name!r} says {size}: {value!r}; it must be a whole number of at least "
                              f"1: fix its config.json")
+        if value > MAX_SIZE:  # 10**10 rows of an embedding would be a MemoryError deep in the model's build
+            raise ValueError(f"the config of {name!r} says {size}: {value}, more than any model has (at most "
+                             f"{MAX_SIZE:,} here): fix its config.json")
     heads, hidden = config.num_attention_heads, config.hidden_size
     if hidden % heads and not getattr(config, "head_dim", None):
         raise ValueError(f"the config of {name!r} has hidden_size {hidden}, which its {heads} attention heads do not "
@@ -56,6 +62,7 @@ def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | 
         raise FileNotFoundError(f"model folder {str(folder)!r} has a config but no weights (none of "
                                 f"{', '.join(WEIGHT_FILES[::2])}): point --model at a folder written by save_pretrained")
     check_config_json(folder)
+    check_tokenizer_files(folder)
     if weights:
         check_weights(folder)
     from huggingface_hub.errors import StrictDataclassError  # transformers' own check of a config
@@ -72,6 +79,27 @@ def check_folder(name_or_path: str, weights: bool = True, max_seq_length: int | 
     if max_seq_length and positions and max_seq_length > positions:
         raise ValueError(f"--max_seq_length {max_seq_length} is longer than the {positions} positions of {str(folder)!r}: "
                          f"pass --max_seq_length {positions} or less")
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """ValueError when the tokenizer's JSON files are not JSON objects (tokenizers' own error names no
+    file), or when `tokenizer_config.json` names custom code (`auto_map`): transformers would then ask
+    "Do you wish to run the custom code? [y/N]" and read stdin, which a batch job does not have, and
+    minidist never runs code from a model folder (trust_remote_code stays off)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            content = json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError):
+            content = None
+        if not isinstance(content, dict):
+            raise ValueError(f"{path} is not a JSON object (damaged, or not a tokenizer file): copy the tokenizer's "
+                             f"files again (`tokenizer.save_pretrained(folder)`)")
+        if name == "tokenizer_config.json" and "auto_map" in content:
+            raise ValueError(f"{path} names custom code (auto_map: {', '.join(map(str, content['auto_map']))}), "
+                             f"which minidist never runs: use a model whose tokenizer transformers has built in")
 
 
 def check_config_json(folder: Path) -> None:

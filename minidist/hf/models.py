@@ -17,13 +17,14 @@ decodes text, so it works for both).
 """
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 
 from minidist.hf import hub
-from minidist.runtime.errors import ArgumentParser, fail
+from minidist.runtime.errors import ArgumentParser, UsageError, fail
 
 TINY = "tiny"  # `--model tiny` means: the tiny Llama, written on first use to the cache below
 RESULTS = ("1-0", "0-1", "1/2-1/2")
@@ -199,6 +200,10 @@ def _from_pretrained(auto_class, name_or_path: str, **kwargs):
         kwargs["local_files_only"] = hub.local_files_only(source)
     try:
         return auto_class.from_pretrained(source, **kwargs)
+    except pickle.UnpicklingError as err:  # weights_only's refusal: its advice (weights_only=False) would run it
+        named = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line]
+        raise UsageError(f"the weights of {name_or_path!r} are not plain data: {named[0] if named else 'a pickled object'}"
+                         f"; nothing in them was run; use weights you trust, as safetensors") from None
     except OSError as err:
         first_line = str(err).strip().splitlines()[0]
         raise FileNotFoundError(

@@ -161,8 +161,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `add_param_group`, `step(closure, **kwargs)`, `zero_grad`, and a `state_dict()` in the
     wrapped optimizer's own form.
 
-    Each group's trainable parameters are packed into flat buckets of their own (their storage
-    becomes the buckets'); rank r keeps an fp32 master of shard r of each bucket, and optimizer
+    Each group's parameters are packed into flat buckets of their own (their storage becomes the
+    buckets'), the frozen ones too: while frozen they have no gradient and are left alone, and once
+    unfrozen they are stepped, as `torch.optim` steps any parameter with a gradient. Rank r keeps an fp32 master of shard r of each bucket, and optimizer
     states for those masters only. `self.optimizer`, an `optimizer_class` over the masters with
     one group per group given, does the arithmetic. `step` gives each master the gradient of its
     shard (the parameters' gradients must already be averaged over the ranks, as after DDP;
@@ -186,6 +187,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, process_group=None, bucket_cap_mb: float = 25.0,
                  **defaults):
+        if isinstance(params, torch.Tensor):  # list() would take its rows for parameters; torch.optim refuses it too
+            raise TypeError(f"params argument given to ShardedOptimizer should be an iterable of Tensors or dicts, "
+                            f"but got {torch.typename(params)}")
         params = list(params)
         self.optimizer_class, self.group, self.bucket_cap_mb = optimizer_class, process_group, bucket_cap_mb
         self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -201,7 +205,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.defaults = self.optimizer.defaults
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group of parameters, with options of its own: its trainable parameters are sharded
+        """Add a group of parameters, with options of its own: its parameters (frozen ones too) are sharded
         into new buckets (one group's options step a bucket), their masters a new group of the
         inner optimizer, which fills in its defaults as it would for the parameters themselves."""
         params = param_group["params"]
@@ -212,7 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._laid_out is not None:
             buckets, self._laid_out = self._laid_out, None
         else:
-            trainable = [p for p in params if p.requires_grad]  # frozen ones are counted, never stepped
+            trainable = params  # frozen ones too: torch.optim steps a parameter whenever it has a gradient
             with torch.no_grad():
                 buckets = [FlatBucket(run, self.world_size, self.rank, run[0].dtype)
                            for run in pack_buckets(trainable, int(self.bucket_cap_mb * 2**20))]
@@ -285,7 +289,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         states = {}
         for bucket in self.buckets:
             state = self.optimizer.state.get(bucket.master, {})
-            cut = {k for k, v in state.items() if _per_element(k, v, bucket.master)}
+            # In sorted order: every rank must all-gather the same state at the same time, and a set's
+            # order of strings follows each process's hash seed (ranks started apart have their own).
+            cut = sorted(k for k, v in state.items() if _per_element(k, v, bucket.master))
             gathered = {k: gather_flat(bucket.layout, state[k], self.group) for k in cut}  # every rank takes part
             if self.rank != to:
                 continue

@@ -85,6 +85,7 @@ from minidist.runtime.roll_call import EVERY_S, RollCall, ranks_named
 from minidist.parallel import mesh
 
 DEFAULT_TIMEOUT_S = 600.0
+STOP_WAIT_S = 5.0  # how long a failed rendezvous waits for the roll call's thread (RollCall.stop)
 # How long the other ranks wait while rank 0 alone reads the weights (`wait_for_rank0`). The
 # process group's 600 s are meant to catch a hung collective, not a slow disk: CodeLlama-7b is
 # 13.5 GB of files, read and cast to fp32 on one rank, which from a network filesystem or a cold
@@ -290,7 +291,7 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
     where = read_launch_env(os.environ)
     port = where["master_port"] or find_free_port()
     if timeout_s is None:
-        timeout_s = float(os.environ.get("MINIDIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        timeout_s = _timeout_from_env(os.environ.get("MINIDIST_TIMEOUT_S"))
 
     device, backend = device_and_backend(where["local_rank"], device_type)
     if device.type == "cuda":
@@ -318,6 +319,20 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
     return _env
 
 
+def _timeout_from_env(text: str | None) -> float:
+    """MINIDIST_TIMEOUT_S as seconds (DEFAULT_TIMEOUT_S when unset): a number above 0, or one line."""
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"MINIDIST_TIMEOUT_S={text!r} in the environment is not a number of seconds above 0; "
+                         f"unset it (600 s) or give one, as MINIDIST_TIMEOUT_S=1800")
+    return seconds
+
+
 def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_s: float, every_s: float) -> None:
     """`init_process_group`, with the roll taken while the ranks wait for each other (`roll_call.py`),
     and a rendezvous that times out told in one line naming the ranks that never came."""
@@ -326,11 +341,16 @@ def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_
                                                                     where["world_size"], every_s)
     if roll:
         roll.start()
-    start = time.monotonic()
+    start, failed = time.monotonic(), True
     try:
         dist.init_process_group(backend=backend, init_method=init_method, rank=where["rank"],
                                 world_size=where["world_size"], timeout=timedelta(seconds=timeout_s))
+        failed = False
     except RuntimeError as err:  # torch's DistStoreError is one; a timeout is told as such, anything else raised
+        if "EADDRINUSE" in str(err):  # rank 0 could not host the store: another program listens there
+            raise UsageError(f"MASTER_PORT {port} at {where['master_addr']} is taken by another program (EADDRINUSE: "
+                             f"address already in use), so rank 0 cannot host the rendezvous there; start every "
+                             f"rank with another MASTER_PORT, the same on each") from None
         if roll is None or time.monotonic() - start < 0.9 * timeout_s:
             raise
         missing = f"{ranks_named(roll.missing)} never joined" if roll.missing else "the other ranks never joined"
@@ -338,8 +358,8 @@ def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_
                          f"at {where['master_addr']}:{port}): start every rank, with the same MASTER_ADDR, "
                          f"MASTER_PORT and WORLD_SIZE (torchrun does)") from err
     finally:
-        if roll:
-            roll.stop()
+        if roll:  # after a failure, not forever: its store client may be stuck on whatever holds the port
+            roll.stop(wait_s=None if not failed else STOP_WAIT_S)
 
 
 def get_env() -> DistEnv:

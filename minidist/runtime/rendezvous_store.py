@@ -52,14 +52,30 @@ def serve(port: int, ready: Path | None = None) -> None:
     if ready is None:
         print(line, flush=True)
     else:
-        ready.write_text(line + "\n")
+        try:
+            ready.write_text(line + "\n")
+        except OSError as error:  # no such folder, no permission, a full disk: the script would wait for ever
+            print(f"error: cannot write --ready {ready} ({error.strerror}); pass a file in a folder that exists",
+                  file=sys.stderr)
+            sys.exit(2)
     while True:
         signal.pause()  # the handlers above end it
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: argparse's one line for anything else (TCPStore would raise on 70000)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (a whole number from 0, any free one, to 65535)")
+    return port
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minidist.runtime.rendezvous_store", description=__doc__.split("\n")[0])
-    parser.add_argument("port", type=int, help="the port torchrun's --rdzv_endpoint names")
+    parser.add_argument("port", type=_port, help="the port torchrun's --rdzv_endpoint names (0: any free one)")
     parser.add_argument("--ready", type=Path, help="write the listening line to this file (default: stdout)")
     args = parser.parse_args(argv)
     serve(args.port, args.ready)

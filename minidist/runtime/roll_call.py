@@ -51,12 +51,15 @@ class RollCall(threading.Thread):
         self._done = threading.Event()
         self._start = time.monotonic()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float | None = None) -> None:
         """End the roll call and wait for its thread: none may be left inside the store's C++ code when
-        the interpreter shuts down, which would abort the process (see distributed.py, "Leaving cleanly")."""
+        the interpreter shuts down, which would abort the process (see distributed.py, "Leaving cleanly").
+        `wait_s` bounds the wait, for a rendezvous that failed: a client that connected to a port some
+        other program holds waits for an answer that never comes, and the process must still say why
+        and exit (the thread is a daemon: the exit ends it)."""
         self._done.set()
         if self.is_alive():
-            self.join()
+            self.join(wait_s)
 
     def run(self) -> None:
         store, next_line = None, self._start + self.every_s

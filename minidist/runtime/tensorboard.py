@@ -58,15 +58,29 @@ class TensorBoardLog:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # torch's module imports the tensorboard package
             raise UsageError("--report_to tensorboard needs the tensorboard package: pip install tensorboard") from err
-        folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("events.out.tfevents.*"):  # rewritten from step 1, as metrics.jsonl is
-            old.unlink()
-        self.writer = SummaryWriter(log_dir=str(folder))
+        self.folder = folder
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob("events.out.tfevents.*"):  # rewritten from step 1, as metrics.jsonl is
+                old.unlink()
+            self.writer = SummaryWriter(log_dir=str(folder))
+        except OSError as err:  # a file of that name, a read-only folder: as metrics.jsonl's faults, one line
+            raise UsageError(self._said(err)) from None
+
+    def _said(self, err: OSError) -> str:
+        return (f"could not write --report_to tensorboard's log in {self.folder}: {err.strerror or err}; free some "
+                f"space or make it a folder this run may write to (or drop --report_to), and run again with --resume")
 
     def write(self, record: dict) -> None:
-        for tag, value in scalars(record).items():
-            self.writer.add_scalar(tag, value, global_step=record["step"])
-        self.writer.flush()  # live: TensorBoard reads the file while the run goes
+        try:  # the writer's thread keeps a failed write's error, and raises it at the next call
+            for tag, value in scalars(record).items():
+                self.writer.add_scalar(tag, value, global_step=record["step"])
+            self.writer.flush()  # live: TensorBoard reads the file while the run goes
+        except OSError as err:  # a full disk
+            raise UsageError(self._said(err)) from None
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError as err:
+            raise UsageError(self._said(err)) from None

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from minidist import evaluate, finetune
 from minidist.chess import games, jsonl, legal_moves
@@ -31,6 +32,13 @@ from in_process import said
 
 ROOT = Path(__file__).resolve().parents[2]
 GAME = "e2e4 e7e5 g1f3 b8c6 1-0"
+
+
+class Payload:
+    """Unpickled, it would run a shell command (weights_only refuses it unrun)."""
+
+    def __reduce__(self):
+        return os.system, ("true",)
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +65,24 @@ def bad(tiny_model, tmp_path_factory):
     shutil.copytree(tiny_model, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     config_only.mkdir()
     shutil.copy(Path(tiny_model) / "config.json", config_only)
-    for name, change in {"hidden_0": {"hidden_size": 0}, "heads_3": {"num_attention_heads": 3}}.items():
+    for name, change in {"hidden_0": {"hidden_size": 0}, "heads_3": {"num_attention_heads": 3},
+                         "vocab_huge": {"vocab_size": 10**10}}.items():
         shutil.copytree(tiny_model, d / name)
         config = json.loads((d / name / "config.json").read_text())
         (d / name / "config.json").write_text(json.dumps({**config, **change}))
-    for name in ("config_not_json", "header_too_large", "weights_cut_short"):  # damaged files of a saved model
-        shutil.copytree(tiny_model, d / name)
+    for name in ("config_not_json", "header_too_large", "weights_cut_short", "tokenizer_random", "auto_map"):
+        shutil.copytree(tiny_model, d / name)  # damaged files of a saved model
+    (d / "tokenizer_random" / "tokenizer.json").write_bytes(os.urandom(4096))
+    tokenizer_config = json.loads((d / "auto_map" / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (d / "auto_map" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (d / "config_not_json" / "config.json").write_text('{"model_type": "llama",')
     with open(d / "header_too_large" / "model.safetensors", "r+b") as f:
         f.write((10 ** 12).to_bytes(8, "little"))  # the header's length, in its first 8 bytes
     os.truncate(d / "weights_cut_short" / "model.safetensors", 20000)  # a copy or a download cut short
+    shutil.copytree(tiny_model, d / "pickled_bin", ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(Path(tiny_model) / "model.safetensors")
+    torch.save({**weights, "payload": Payload()}, d / "pickled_bin" / "pytorch_model.bin")  # never runs: weights_only
     paths = {p.name.split(".")[0]: str(p) for p in d.iterdir()}  # by name without suffix
     return {**paths, "tiny": tiny_model, "dir": str(d)}
 
@@ -96,6 +112,10 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
     (["--model", "{config_only}"], "error: model folder '{config_only}' has no tokenizer"),
     (["--model", "{hidden_0}"], "error: the config of '{hidden_0}' says hidden_size: 0"),
     (["--model", "{heads_3}"], "error: the config of '{heads_3}' cannot be a model"),
+    (["--model", "{pickled_bin}"], "error: the weights of '{pickled_bin}' are not plain data: "),
+    (["--model", "{vocab_huge}"], "error: the config of '{vocab_huge}' says vocab_size: 10000000000, more than any"),
+    (["--model", "{tokenizer_random}"], "error: {tokenizer_random}/tokenizer.json is not a JSON object"),
+    (["--model", "{auto_map}"], "error: {auto_map}/tokenizer_config.json names custom code (auto_map: AutoTokenizer)"),
     # Hybrid sharding: a shard size that cannot cut the ranks into copies, or a flag without hsdp.
     (["--strategy", "hsdp", "--hsdp_shard_size", "2"], "error: --hsdp_shard_size must divide the 1 ranks into equal "
                                                        "groups, got 2"),

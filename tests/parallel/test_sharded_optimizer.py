@@ -125,6 +125,22 @@ def groups_and_frozen(build):
     return {"weights": weights(model), "options": options}
 
 
+def frozen_then_unfrozen(build):
+    """AdamW built while the last layer is frozen, which is unfrozen after the first step: torch.optim
+    steps a parameter whenever it has a gradient, whatever it was when the optimizer was built."""
+    model = small_model()
+    last = list(model.parameters())[-2:]
+    for p in last:
+        p.requires_grad_(False)
+    optimizer = build(model.parameters(), torch.optim.AdamW, **ADAMW_OPTIONS)
+    xs = batches()
+    train(model, optimizer, xs[:1])
+    for p in last:
+        p.requires_grad_(True)
+    train(model, optimizer, xs[1:])
+    return weights(model)
+
+
 def added_group(build):
     """Two steps of the first layer alone, then the last layer added as a group with a learning
     rate of its own, and two more steps. Where its parameters went (into buckets of this rank's
@@ -201,8 +217,8 @@ def resumed(build, state: dict, at_three: list) -> list[torch.Tensor]:
     return weights(model, never)
 
 
-SCENARIOS = {f.__name__: f for f in (without_gradient, sitting_out, groups_and_frozen, added_group, closure_and_keywords,
-                                     zero_grad_in_place, three_steps_then_two)}
+SCENARIOS = {f.__name__: f for f in (without_gradient, sitting_out, groups_and_frozen, frozen_then_unfrozen, added_group,
+                                     closure_and_keywords, zero_grad_in_place, three_steps_then_two)}
 
 
 def sharded_on_every_rank(plain_state: dict, plain_at_three: list) -> dict:
@@ -350,3 +366,85 @@ def test_load_state_dict_takes_the_wrapped_optimizers_or_its_own(expected, world
     for got in from_plain:
         same(got, want["at_five"], world)
     same(resumed(plain, ours, want["at_three"]), want["at_five"], world)
+
+
+@WORLDS
+@pytest.mark.parametrize("cap", ["small buckets", "a bucket per parameter"])
+def test_a_parameter_frozen_when_the_optimizer_is_built_is_stepped_once_unfrozen(expected, world, cap, request):
+    """Frozen at the start, unfrozen after a step: stepped from then on, as torch.optim steps it. In
+    buckets of their own (in one bucket with the others, Adam's step count is the bucket's, and the
+    bias correction of its first step is not torch's: see the class docstring)."""
+    want = expected["frozen_then_unfrozen"]
+    assert not torch.equal(want[-1], small_model()[-1].bias.detach())  # torch.optim stepped it
+    for got in runs("frozen_then_unfrozen", world, cap, request):
+        same(got, want, world)
+
+
+def test_params_is_checked_as_torch_optim_checks_it(group_of_one):
+    """A bare tensor is not an iterable of parameters: torch.optim raises TypeError, and so must the
+    drop-in (iterating it would make its rows the parameters)."""
+    weight = nn.Parameter(torch.ones(3, 2))
+    with pytest.raises(TypeError, match="iterable of Tensors"):
+        torch.optim.AdamW(weight)
+    with pytest.raises(TypeError, match="iterable of Tensors"):
+        ShardedOptimizer(weight, torch.optim.AdamW)
+
+
+# Two ranks started as separate processes, as torchrun starts them, each with its own hash seed:
+# 0 and 1 iterate {"exp_avg", "exp_avg_sq"} in opposite orders (Python's str hash is seeded).
+SEEDED_RANK = """
+import sys, torch
+from torch import nn
+from minidist.parallel.zero import ShardedOptimizer
+from minidist.runtime.distributed import cleanup, init_distributed
+env = init_distributed()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+reference = [p.detach().clone() for p in model.parameters()]
+data = torch.Generator().manual_seed(1)
+xs = [torch.randn(8, 7, generator=data) for _ in range(3)]
+optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+for x in xs:
+    optimizer.zero_grad(); model(x).pow(2).mean().backward(); optimizer.step()
+optimizer.consolidate_state_dict(to=0)
+if env.rank == 0:
+    torch.save({"state_dict": optimizer.state_dict(), "reference": reference, "xs": xs}, sys.argv[1])
+cleanup()
+"""
+
+
+def test_consolidation_agrees_across_ranks_of_different_hash_seeds(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from minidist.runtime.distributed import find_free_port
+
+    assert [subprocess.run([sys.executable, "-c", 'print(list({"exp_avg", "exp_avg_sq"}))'], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in "01"] == \
+        ["['exp_avg', 'exp_avg_sq']\n", "['exp_avg_sq', 'exp_avg']\n"], "pick two seeds of opposite orders"
+    port, out = str(find_free_port()), tmp_path / "state.pt"
+    ranks = [subprocess.Popen([sys.executable, "-c", SEEDED_RANK, str(out)],
+                              env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port, "PYTHONHASHSEED": str(rank), "OMP_NUM_THREADS": "1"})
+             for rank in range(2)]
+    assert [rank.wait(timeout=120) for rank in ranks] == [0, 0]
+    saved = torch.load(out, weights_only=True)
+    model = small_model_without_norm(saved["reference"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, saved["xs"])
+    want = optimizer.state_dict()["state"]
+    got = saved["state_dict"]["state"]
+    assert got.keys() == want.keys()
+    for index in want:
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[index][key], want[index][key], rtol=1e-5, atol=1e-8)
+        assert (got[index]["exp_avg_sq"] >= 0).all()
+
+
+def small_model_without_norm(reference: list) -> nn.Module:
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), reference):
+            p.copy_(saved)
+    return model

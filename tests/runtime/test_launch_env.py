@@ -75,3 +75,31 @@ def test_a_rank_without_rank_0_says_so_every_period(clean_env, capsys):
     assert error.startswith("the other ranks never joined in 4 s (rank 1 of WORLD_SIZE=2"), error
     waiting = [line for line in lines if line.startswith("minidist: rank 1 waiting for rank 0's store at 127.0.0.1:")]
     assert len(waiting) >= 2, lines
+
+
+JOIN = ("from minidist.runtime.distributed import init_distributed\n"
+        "from minidist.runtime.errors import one_line_errors\n"
+        "with one_line_errors('minidist.finetune'):\n"
+        "    init_distributed()\n")
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_taken_master_port_is_one_line_and_an_exit(world):
+    """Another program listens on MASTER_PORT and never answers; rank 0, started by hand, cannot
+    host the store there (EADDRINUSE). It says so in one line and exits, where its roll call's store
+    client, connected to that program, would wait forever."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}, "RANK": "0", "WORLD_SIZE": world,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(squatter.getsockname()[1]), "MINIDIST_TIMEOUT_S": "60"}
+        done = subprocess.run([sys.executable, "-c", JOIN], env=env, capture_output=True, text=True, timeout=50)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"MASTER_PORT {env['MASTER_PORT']} at 127.0.0.1 is taken by " \
+           f"another program (EADDRINUSE" in lines[0], lines[0]

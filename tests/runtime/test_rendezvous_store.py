@@ -100,3 +100,15 @@ def test_without_its_own_process_the_store_leaves_with_the_head_agent(tmp_path):
     pytorch/pytorch#69520 (or the wrapper no longer pauses the check-in): see the module's docstring."""
     logs = two_agents(tmp_path, free_port(), own_store=False)
     assert "Error waiting on exit barrier" in logs and "Traceback" in logs, logs
+
+
+@pytest.mark.parametrize("args, said", [
+    (["70000"], "argument port: '70000' is not a TCP port"),
+    (["0", "--ready", "/missing/dir/ready"], "error: cannot write --ready /missing/dir/ready (No such file or directory)"),
+])
+def test_a_port_out_of_range_or_a_ready_file_that_cannot_be_written_is_one_line(args, said):
+    done = subprocess.run([sys.executable, "-m", "minidist.runtime.rendezvous_store", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert said in errors[0], errors[0]

@@ -54,3 +54,30 @@ def test_without_the_package_the_flag_is_one_line(tiny_model, tmp_path, capsys, 
     line = said(finetune.main, ["--model", tiny_model, "--impl", "torch", "--output_dir", str(tmp_path),
                                 "--report_to", "tensorboard"], capsys)
     assert line.endswith("argument --report_to: tensorboard is not installed: pip install tensorboard"), line
+
+
+def test_a_log_that_cannot_be_written_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
+    """`tensorboard` a file in the output folder: one line, as for metrics.jsonl; a full disk at a
+    write (the writer raising ENOSPC) too."""
+    import errno
+
+    import pytest
+    from in_process import run_here_in_one_line
+
+    from minidist.runtime.errors import UsageError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / tensorboard.FOLDER).write_text("a file, not a folder\n")
+    code, line = run_here_in_one_line(["--model", tiny_model, "--max_steps", "1", "--max_seq_length", "32",
+                                       "--eval_prefixes", "0", "--no_save", "--output_dir", str(out),
+                                       "--report_to", "tensorboard"], capsys)
+    assert code == 2 and "could not write --report_to tensorboard's log in" in line, line
+    board = tensorboard.TensorBoardLog(tmp_path / "board")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(board.writer, "flush", full)
+    with pytest.raises(UsageError, match="No space left on device; free some space"):
+        board.write({"step": 1, "loss": 5.0})

@@ -16,6 +16,7 @@ optimizer, model_sd, optim_sd, how, below)`, where `below` is the rest of the ch
 brings its own link (`Axis.form`); nothing else here changes.
 """
 
+from minidist.runtime.errors import UsageError
 from minidist.strategy.state.data import ByParameter, Flat, on_rank0
 
 FORMS = {"by_parameter": ByParameter(), "flat": Flat()}  # the data-parallel forms, by `Strategy.form_kind`
@@ -48,3 +49,23 @@ def set_state_dict(strategy, model, optimizer, model_sd: dict, optim_sd: dict, f
         return lambda msd, osd, how: links[i].set(strategy, model, optimizer, msd, osd, how, below(i - 1))
 
     below(len(links) - 1)(model_sd, optim_sd, "full" if full else "sharded")
+
+
+# The layouts a sharded checkpoint may record (`tensor.LAYOUT`, `pipeline.LAYOUT`), as the flag that sets each.
+RECORDED = {"tensor_parallel_layout": "--tp_size", "pipeline_layout": "--pp_size"}
+
+
+def check_recorded_layouts(folder, saved_keys, optim_sd: dict) -> None:
+    """Before DCP reads a sharded checkpoint: the layouts it recorded (`saved_keys`, the keys of its
+    metadata) must be the ones this run records (`optim_sd`, from `get_state_dict`), or the run is
+    refused in one line. Each link checks the layout's numbers once DCP has read them; this catches
+    a layout recorded on one side only (a checkpoint of --tp_size 2 at tp 1, a hand-FSDP one of
+    --pp_size 2 at pp 1, one without --tp_size at --tp_size 2), where DCP would stop on a missing
+    key, or would load slices or stages as if the layout were the same."""
+    theirs = {name for name in RECORDED if f"optimizer.{name}" in saved_keys}
+    ours = {name for name in RECORDED if name in optim_sd}
+    if theirs != ours:
+        said = lambda names: " and ".join(f"{RECORDED[n]} above 1" for n in sorted(names)) or "neither --tp_size nor --pp_size above 1"
+        raise UsageError(f"checkpoint {folder} is a sharded checkpoint written with {said(theirs)}, and this run has "
+                         f"{said(ours)}; a sharded checkpoint resumes at its own layout only: resume with the flags "
+                         f"that wrote it, or save with --checkpoint_format full to change the layout")
