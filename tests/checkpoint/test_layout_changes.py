@@ -15,6 +15,9 @@ from train_workers import run_finetunes_then_refusals
 
 from minidist.runtime.launch import launch
 
+# The full suite only: runs that launch ranks, save and resume.
+pytestmark = pytest.mark.slow
+
 
 def args(model, games, out, strategy, pp=1, tp=1, *extra):
     """2 steps on 2 ranks, global batch 2 whatever the layout: micro-batches of 1 sequence, `pp` of

@@ -24,6 +24,9 @@ from test_checkpoint_is_data import argv, games, planted_copy, saved  # noqa: F4
 
 from minidist.checkpoint import checksums, data_only, state
 
+# The full suite only: runs that launch ranks, save and resume.
+pytestmark = pytest.mark.slow
+
 
 def listing(folder: Path) -> dict:
     """Every file under `folder` with its bytes: what must not change."""
