@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a training game that is not legal chess: refuse the run (the games it trains on are checked), "
                         "or skip it and say how many were skipped (every game is checked)")
     ParallelOptions.add_arguments(p)  # --strategy, --impl, --mixed_precision, ... (parallel/options.py)
+    # The course's own code trains from the first command; PyTorch's is one flag away, as the reference.
+    p.set_defaults(impl="minidist")
     p.add_argument("--no_fsdp", action="store_true", help="the same as --strategy ddp")
     lora.add_arguments(p)  # --lora_rank, --lora_alpha, ... (lora.py)
     p.add_argument("--batch_size_per_device", type=int, default=8)

@@ -15,10 +15,13 @@ def train_and_measure(model_dir: str, data: str, runs: list[list[str]], steps: i
                       batch: int) -> list[dict]:
     """Train once per entry of `runs` (extra `minidist.finetune` flags, e.g. ["--strategy",
     "fsdp", "--gradient_checkpointing"]), one after the other in the same ranks; return, per run,
-    the records the loop logged (rank 0's view of every rank: `memory_bytes` are lists by rank)."""
+    the records the loop logged (rank 0's view of every rank: `memory_bytes` are lists by rank).
+    A run trains PyTorch's own DDP or FSDP2 (`--impl torch`), whose memory lesson 00 counts,
+    unless its flags name `--impl minidist`: they come after the common ones, and the last wins."""
     training.share_cores()
-    common = ["--model", model_dir, "--data", data, "--max_steps", str(steps), "--max_seq_length", str(seq_len),
-              "--batch_size_per_device", str(batch), "--warmup_steps", "1", "--eval_prefixes", "0", "--no_save"]
+    common = ["--model", model_dir, "--data", data, "--impl", "torch", "--max_steps", str(steps),
+              "--max_seq_length", str(seq_len), "--batch_size_per_device", str(batch), "--warmup_steps", "1",
+              "--eval_prefixes", "0", "--no_save"]
     results = []
     for flags in runs:
         run = training.run([*common, *flags])

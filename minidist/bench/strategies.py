@@ -24,7 +24,7 @@ faults of its process around its timed steps (`runtime.allocator.minor_page_faul
 touch, which is what a buffer freshly `mmap`ed costs. On the CPU a flat buffer above glibc's
 mmap threshold is mapped afresh and faulted in, page by page, every step it is remade, while
 smaller tensors are reused from the heap; a GPU's caching allocator keeps freed blocks, so it
-does not pay this (issue 34). The command prints them per step, of the rank with most.
+does not pay this. The command prints them per step, of the rank with most.
 """
 
 import copy
@@ -115,8 +115,9 @@ def _fsdp_implementations(base, bucket_cap_mb) -> tuple[dict, str]:
     gradients. It keeps two buckets alive while it overlaps (one filling, one on the wire), where
     FSDP2 holds about a layer's unsharded gradients at a time. With 25 MB buckets on a model whose
     gradients are 29 MB (8 x 256), those two buckets are nearly a whole copy of the gradients, and
-    the peak goal would compare bucket sizes, not implementations: 1.16x at 8 x 256 on 2 ranks,
-    0.98x with 2 MB buckets (issue 34).
+    the peak goal would compare bucket sizes, not implementations (`lessons/reference/strategies.md`,
+    "Over layer sizes", gives ZeRO-2's peak at 8 x 256 on 2 ranks with 25 MB buckets and with
+    layer-sized ones).
     """
     zero2_cap_mb = min(bucket_cap_mb, layer_mb(base))
     wrapped = {name: _wrapped(base, cap_mb, **options) for name, cap_mb, options in (

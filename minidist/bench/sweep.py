@@ -1,12 +1,13 @@
 """The strategy benchmarks over a sweep of layer sizes: does a wrapper's cost grow with the model?
 
-One model hides what grows with a layer. On the CPU it did: the hand-written FSDP matched FSDP2
-at 8 layers x 512 and took 1.39x its step at 4 x 1536, because each unit's flat buffer (113 MB)
-was above glibc's mmap threshold and was mapped afresh, page fault by page fault, every step,
-where FSDP2's per-parameter tensors were small enough for the heap to reuse (issue 34). So the
-sweep prints, for every hidden size and world size, each goal's ratio with its spread and
-whether it is met, and the minor page faults per step of each implementation, so that such a
-cost cannot come back unseen.
+One model hides what grows with a layer. On the CPU a flat buffer above glibc's mmap threshold
+is mapped afresh, page fault by page fault, every step it is remade, unless freed blocks are kept
+(`runtime/allocator.py`), while FSDP2's per-parameter tensors are small enough for the heap to
+reuse. A hand-written FSDP unit at 4 layers x 1536 is one 113 MB buffer, at 8 x 512 a ninth of
+that, so one model size can show no such cost where a wider one shows a large one. So the sweep
+prints, for every hidden size and world size, each goal's ratio with its spread
+and whether it is met, and the minor page faults per step of each implementation, so that such a
+cost cannot grow unseen.
 
 Each world size is one launch: its ranks time every size in turn (`strategies.time_implementations`,
 implementations taking turns within each round), letting each size's models go before the next.

@@ -23,7 +23,7 @@ For CodeLlama-7b (h = 4096, I = 11008, n = 32) in bf16, one padded sequence of 1
 
 Korthikanti et al.'s GPT layer, 34 h + 5 n T bytes per token in 16 bits, charges the T x T
 attention scores that fused attention kernels never store: at Mistral-7B's shapes it is 3.6x too
-high at 4k tokens (issue 15). That is why the estimator traces instead of using a formula.
+high at 4k tokens. That is why the estimator traces instead of using a formula.
 """
 
 

@@ -28,7 +28,7 @@ are all-gathered back to the whole sequence before the first linears, which save
 tensor: the same bytes as without sequence parallelism. (Megatron-LM saves the chunk instead and
 gathers it again in backward: one more all-gather per block, and those bytes / t too.) With
 activation checkpointing each layer keeps its input, a chunk under sequence parallelism (an
-estimate: the loop's checkpointing has not yet been measured with tensor parallelism).
+estimate: no measurement of the loop's checkpointing under tensor parallelism stands beside it).
 
 So, per token and layer in fp32 (h hidden, q and kv the query and key/value widths, n heads,
 I the MLP's width; `llama_layer.py` derives each term): 2(8h + 4) in the norms, / t only under
@@ -50,7 +50,7 @@ from minidist.parallel.tensor.vocab import padded_vocab_size
 
 def split_config(config, tp: int):
     """The config of the model one of `tp` ranks holds: heads, key/value heads, the MLP's width and
-    the (padded) vocabulary divided by tp, each head as wide as before. Refuses, in one sentence,
+    the (padded) vocabulary divided by tp, each head as wide as in the whole model. Refuses, in one sentence,
     a model `parallel/tensor/llama.py` cannot cut over tp ranks."""
     with torch.device("meta"):
         llama.check_splittable(trace.model_class(config).from_config(copy.deepcopy(config)), tp)

@@ -44,7 +44,7 @@ def games(tmp_path_factory) -> Path:
 
 
 def argv(model, games, out, *extra):
-    return ["--model", model, "--data", str(games), "--output_dir", str(out), "--max_steps", "2",
+    return ["--model", model, "--impl", "torch", "--data", str(games), "--output_dir", str(out), "--max_steps", "2",
             "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "4", "--warmup_steps", "1",
             "--seed", "3", "--no_save", *extra]
 

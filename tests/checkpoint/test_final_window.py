@@ -33,8 +33,8 @@ def games(tmp_path_factory) -> Path:
 @pytest.fixture
 def args(tiny_model, games):
     def make(out, *extra):  # two steps, a short evaluation, the model written: the default --save_steps 0
-        return ["--model", tiny_model, "--data", str(games), "--output_dir", str(out), "--max_steps", "2",
-                "--max_seq_length", "48", "--eval_prefixes", "8", "--batch_size_per_device", "2",
+        return ["--model", tiny_model, "--impl", "torch", "--data", str(games), "--output_dir", str(out),
+                "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "8", "--batch_size_per_device", "2",
                 "--warmup_steps", "1", "--seed", "3", *extra]
     return make
 

@@ -35,8 +35,8 @@ def games(tmp_path_factory) -> Path:
 @pytest.fixture
 def args(tiny_model, games):
     def make(out):  # four steps, stopped after the second; no evaluation, no model: only the stop matters
-        return ["--model", tiny_model, "--data", str(games), "--output_dir", str(out), "--max_steps", "4",
-                "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
+        return ["--model", tiny_model, "--impl", "torch", "--data", str(games), "--output_dir", str(out),
+                "--max_steps", "4", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "2",
                 "--warmup_steps", "1", "--seed", "3", "--strategy", "ddp", "--no_save"]
     return make
 

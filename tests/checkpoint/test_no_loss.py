@@ -46,8 +46,8 @@ def games(tmp_path_factory) -> Path:
 @pytest.fixture
 def args(tiny_model, games):
     def make(out, *extra):
-        return ["--model", tiny_model, "--data", str(games), "--output_dir", str(out), "--max_steps", "2",
-                "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "4",
+        return ["--model", tiny_model, "--impl", "torch", "--data", str(games), "--output_dir", str(out),
+                "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "4",
                 "--warmup_steps", "1", "--seed", "3", "--no_save", *extra]
     return make
 
@@ -62,8 +62,8 @@ def saved(tiny_model, games, tmp_path_factory):
     """A 2-step run's checkpoint-2 in each form, written once for the module."""
     root = tmp_path_factory.mktemp("saved")
     for form in ("sharded", "full"):
-        argv = ["--model", tiny_model, "--data", str(games), "--output_dir", str(root / form), "--max_steps", "2",
-                "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "4",
+        argv = ["--model", tiny_model, "--impl", "torch", "--data", str(games), "--output_dir", str(root / form),
+                "--max_steps", "2", "--max_seq_length", "48", "--eval_prefixes", "0", "--batch_size_per_device", "4",
                 "--warmup_steps", "1", "--seed", "3", "--no_save", "--save_steps", "2", "--checkpoint_format", form]
         finetune.main(argv)  # returns: exit status 0
     return {form: root / form / "checkpoint-2" for form in ("sharded", "full")}

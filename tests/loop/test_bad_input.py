@@ -159,15 +159,16 @@ FINETUNE = [  # (argv, with {name} for a path of `bad`; the line must contain th
 
 @pytest.mark.parametrize("argv,expected", FINETUNE, ids=[" ".join(a) for a, _ in FINETUNE])
 def test_finetune(bad, tmp_path, capsys, argv, expected):
-    base = ["--model", bad["tiny"], "--output_dir", str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1", "--no_save"]
+    base = ["--model", bad["tiny"], "--impl", "torch", "--output_dir", str(tmp_path), "--eval_prefixes", "0",
+            "--max_steps", "1", "--no_save"]
     line = said(finetune.main, base + [a.format(**bad) for a in argv], capsys)
     assert expected.format(**bad) in line
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before training
 
 
 def test_finetune_skips_illegal_games_when_asked_and_says_how_many(bad, tmp_path, capsys):
-    finetune.main(["--model", bad["tiny"], "--data", bad["not_chess"], "--illegal_games", "skip", "--output_dir",
-                   str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1", "--no_save",
+    finetune.main(["--model", bad["tiny"], "--impl", "torch", "--data", bad["not_chess"], "--illegal_games", "skip",
+                   "--output_dir", str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1", "--no_save",
                    "--batch_size_per_device", "1"])
     line = f"--illegal_games skip: skipped 1 of 2 games of {bad['not_chess']} (not legal chess)"
     assert line in capsys.readouterr().out
@@ -181,8 +182,8 @@ def gpt2_32(tmp_path_factory):
 
 
 def test_finetune_a_sequence_longer_than_the_context(gpt2_32, tmp_path, capsys):
-    line = said(finetune.main, ["--model", gpt2_32, "--max_seq_length", "64", "--output_dir", str(tmp_path),
-                                "--eval_prefixes", "0", "--max_steps", "1", "--no_save"], capsys)
+    line = said(finetune.main, ["--model", gpt2_32, "--impl", "torch", "--max_seq_length", "64", "--output_dir",
+                                str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1", "--no_save"], capsys)
     assert f"error: --max_seq_length 64 is longer than the 32 positions of '{gpt2_32}'" in line
 
 
@@ -311,8 +312,8 @@ def test_an_uncached_name_fails_at_once_without_the_hub(tmp_path):
     # internet, whatever this machine reaches). The hub client would retry for ~25 s, saying so.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=tempfile.mkdtemp())
-    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", "some-org/not-cached",
-                           "--output_dir", str(tmp_path), "--eval_prefixes", "0"],
+    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", "some-org/not-cached", "--impl",
+                           "torch", "--output_dir", str(tmp_path), "--eval_prefixes", "0"],
                           capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [

@@ -209,7 +209,8 @@ def test_bf16_tracks_fp32(tiny_model, reference, runs, impl, strategy, extra):
     (["--batch_size_per_device", "0"], "--batch_size_per_device must be at least 1"),
 ])
 def test_bad_input_ends_with_one_line(tiny_model, tmp_path, capsys, argv, expected):
-    status, err = run_here(["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", *argv], capsys)
+    status, err = run_here(["--model", tiny_model, "--impl", "torch", "--output_dir", str(tmp_path),
+                            "--eval_prefixes", "0", *argv], capsys)
     assert status != 0
     assert expected in err.strip().splitlines()[-1], err
     assert "Traceback" not in err
@@ -231,8 +232,8 @@ def test_a_model_that_is_not_cached_fails_fast_offline(tmp_path):
     # Offline with an empty cache, as on a compute node: a hub name that is not cached must fail
     # fast. In a process of its own: huggingface_hub reads HF_HUB_OFFLINE when it is imported.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": tempfile.mkdtemp()}
-    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", "some-org/not-cached",
-                           "--output_dir", str(tmp_path), "--eval_prefixes", "0"],
+    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", "some-org/not-cached", "--impl",
+                           "torch", "--output_dir", str(tmp_path), "--eval_prefixes", "0"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0
     assert "could not load 'some-org/not-cached'" in done.stderr.strip().splitlines()[-1], done.stderr
@@ -242,7 +243,7 @@ def test_a_model_that_is_not_cached_fails_fast_offline(tmp_path):
 def test_a_global_batch_larger_than_the_data_is_refused(tiny_model, tmp_path, capsys):
     games = tmp_path / "few.jsonl"
     jsonl.write_games(jsonl.load_games(bundled_games("test"))[:3], games)
-    status, err = run_here(["--model", tiny_model, "--data", str(games), "--eval_prefixes", "0",
+    status, err = run_here(["--model", tiny_model, "--impl", "torch", "--data", str(games), "--eval_prefixes", "0",
                             "--output_dir", str(tmp_path)], capsys)
     assert status != 0 and "Traceback" not in err
     assert "global_batch_size 8 is larger than" in err.strip().splitlines()[-1]
@@ -277,7 +278,8 @@ def test_the_final_model_is_saved_in_its_own_dtype_unless_asked_otherwise(tiny_m
                                    (in_bf16, ["--save_dtype", "fp32"], torch.float32),
                                    (tiny_model, ["--save_dtype", "bf16"], torch.bfloat16)]:
         out = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
-        finetune.main(["--model", str(model), "--data", str(games), "--max_steps", "1", "--max_seq_length", "16",
+        finetune.main(["--model", str(model), "--impl", "torch", "--data", str(games), "--max_steps", "1",
+                       "--max_seq_length", "16",
                        "--batch_size_per_device", "2", "--eval_prefixes", "0", "--output_dir", str(out), *flags])
         saved = AutoModelForCausalLM.from_pretrained(out / "model", dtype="auto")
         assert {p.dtype for p in saved.parameters()} == {expected}, (model, flags)

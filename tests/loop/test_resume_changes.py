@@ -37,7 +37,8 @@ def games(tmp_path_factory) -> dict:
 
 
 def common(model, data, out, *extra) -> list[str]:
-    return ["--model", model, "--data", data, "--output_dir", str(out), "--max_steps", "3", "--max_seq_length", "48",
+    return ["--model", model, "--impl", "torch", "--data", data, "--output_dir", str(out), "--max_steps", "3",
+            "--max_seq_length", "48",
             "--eval_prefixes", "0", "--batch_size_per_device", "4", "--warmup_steps", "1", "--seed", "3",
             "--no_save", *extra]
 

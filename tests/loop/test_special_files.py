@@ -46,8 +46,8 @@ def fifo(tmp_path, make_fifo):
 
 
 def test_finetune_refuses_a_fifo_as_its_data(tiny_model, tmp_path, fifo, capsys):
-    line = said(finetune.main, ["--model", tiny_model, "--data", str(fifo), "--output_dir", str(tmp_path / "run"),
-                                "--eval_prefixes", "0", "--max_steps", "1", "--no_save"], capsys)
+    line = said(finetune.main, ["--model", tiny_model, "--impl", "torch", "--data", str(fifo), "--output_dir",
+                                str(tmp_path / "run"), "--eval_prefixes", "0", "--max_steps", "1", "--no_save"], capsys)
     assert f"error: {fifo} is not a regular file (a pipe, a socket or a device)" in line
 
 

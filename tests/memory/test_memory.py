@@ -425,7 +425,8 @@ def test_an_untraceable_architecture_and_an_encoder_decoder_in_the_loop_end_in_o
     t5 = family_configs()["t5"]
     T.T5ForConditionalGeneration(t5).save_pretrained(tmp_path / "t5")
     build_chess_tokenizer().save_pretrained(tmp_path / "t5")
-    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", str(tmp_path / "t5"), "--max_steps", "1",
+    done = subprocess.run([sys.executable, "-m", "minidist.finetune", "--model", str(tmp_path / "t5"), "--impl",
+                           "torch", "--max_steps", "1",
                            "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "is an encoder-decoder (t5); minidist.finetune trains causal" in done.stderr.strip().splitlines()[-1]

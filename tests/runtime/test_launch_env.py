@@ -42,8 +42,8 @@ def test_inconsistent_launch_variables_are_refused_in_one_line(clean_env, tiny_m
                                                               expected):
     for name, value in environ.items():
         clean_env.setenv(name, value)
-    argv = ["--model", tiny_model, "--output_dir", str(tmp_path), "--eval_prefixes", "0", "--max_steps", "1",
-            "--no_save"]
+    argv = ["--model", tiny_model, "--impl", "torch", "--output_dir", str(tmp_path), "--eval_prefixes", "0",
+            "--max_steps", "1", "--no_save"]
     assert expected in said(finetune.main, argv, capsys)
     assert not (tmp_path / "metrics.jsonl").exists()
 

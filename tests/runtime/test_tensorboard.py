@@ -20,7 +20,8 @@ def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 
 def test_a_run_writes_its_records_to_tensorboard(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
-    code, err = run_here(["--model", tiny_model, "--max_steps", "3", "--max_seq_length", "32", "--eval_prefixes", "0",
+    code, err = run_here(["--model", tiny_model, "--impl", "torch", "--max_steps", "3", "--max_seq_length", "32",
+                          "--eval_prefixes", "0",
                           "--no_save", "--output_dir", str(out), "--report_to", "tensorboard"], capsys)
     assert code == 0, err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -46,6 +47,6 @@ def test_the_log_starts_again_as_metrics_jsonl_does(tmp_path):
 def test_without_the_package_the_flag_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
-    line = said(finetune.main, ["--model", tiny_model, "--output_dir", str(tmp_path), "--report_to", "tensorboard"],
-                capsys)
+    line = said(finetune.main, ["--model", tiny_model, "--impl", "torch", "--output_dir", str(tmp_path),
+                                "--report_to", "tensorboard"], capsys)
     assert line.endswith("argument --report_to: tensorboard is not installed: pip install tensorboard"), line
