@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,55 @@ def share_cores() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
 
 
+# What kineto (torch.profiler's C++ core) writes to the process's stderr at every start and stop of a
+# recording ("USDT:... profiler_start", "STAGE:... Completed Stage"), whatever KINETO_LOG_LEVEL says.
+PROFILER_NOTICES = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def without_profiler_notices():
+    """Run the block with this process's stderr (file descriptor 2, where C++ writes) caught, then pass
+    on every line but kineto's notices. A rank's stderr is the notebook's: there those notices come out
+    red under the cell, like an error, on every run. Anything else written meanwhile still appears."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(PROFILER_NOTICES):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def progress(message: str) -> None:
+    """Print `message` on rank 0 at once. A rank writes to the notebook kernel's own output, which
+    ipykernel forwards to the running cell: so the learner sees the ranks get on while the launch
+    lasts, one line per finished piece of work, not silence until every rank is done."""
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def shown(argv: list[str]) -> str:
+    """The flags of a run as a learner would compare them: every flag but those that name a path
+    (the model, the data, an output folder), which say nothing about the run and differ by machine."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.startswith("--") and i + 1 < len(argv) and "/" in argv[i + 1]:
+            skip = True
+        elif "/" not in arg:
+            kept.append(arg)
+    return " ".join(kept)
+
+
 def as_flags(run: dict) -> list[str]:
     """{"strategy": "fsdp", "gradient_checkpointing": True} -> ["--strategy", "fsdp", "--gradient_checkpointing"]."""
     argv = []
@@ -38,12 +88,13 @@ def as_flags(run: dict) -> list[str]:
     return argv
 
 
-def run(argv: list[str], around_train_step=None) -> dict:
+def run(argv: list[str], around_train_step=None, announce: bool = True) -> dict:
     """`finetune.train` with ARGV and a fresh `--output_dir`, on every rank. Returns what it
     returned (`result`: losses, and the full weights on rank 0 unless `--no_save`), the records of
     its metrics.jsonl (`records`, on rank 0; [] on the others), the lines it printed on this rank
     (`log`) and its wall time (`seconds`: loading, evaluations and steps). `around_train_step` is
-    passed on to `finetune.train`: a measurement's way into every step (`workers_06.py`)."""
+    passed on to `finetune.train`: a measurement's way into every step (`workers_06.py`). With
+    `announce`, rank 0 prints one line when the run is done (`progress`): its flags and seconds."""
     with tempfile.TemporaryDirectory() as out:
         shared = [out]  # every rank needs the same folder name: rank 0 picks it, the others follow
         dist.broadcast_object_list(shared, src=0)
@@ -57,6 +108,8 @@ def run(argv: list[str], around_train_step=None) -> dict:
         log = Path(shared[0]) / "metrics.jsonl"
         records = [json.loads(line) for line in log.read_text().splitlines()] if dist.get_rank() == 0 else []
         dist.barrier()  # nobody deletes the folder before rank 0 has read it
+    if announce:
+        progress(f"  ranks: trained {shown(argv)} in {seconds:.1f} s")
     return {"result": result, "records": records, "log": printed.getvalue(), "seconds": seconds}
 
 

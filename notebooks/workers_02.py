@@ -162,7 +162,8 @@ def _profile_step(env, strategy, model, optimizer, micro, num_targets, path: str
             optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     if env.rank == 0:
-        return str(timeline.record(step, env.device, path))
+        with training.without_profiler_notices():
+            return str(timeline.record(step, env.device, path))
     step()  # the same step, unrecorded: rank 0's all-reduces need a partner
     return None
 

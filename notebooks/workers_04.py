@@ -100,7 +100,8 @@ def side_by_side(model_dir: str, data_path: str, names: list[str], seq_len: int,
         if name == "fsdp":
             timeline.mark_units(built[name][1])
         if env.rank == 0:
-            timeline.record(lambda: named_step(phases(name)), env.device, trace)
+            with training.without_profiler_notices():
+                timeline.record(lambda: named_step(phases(name)), env.device, trace)
         else:
             named_step(phases(name))  # the same step, unrecorded: rank 0's collectives need a partner
     return out

@@ -44,12 +44,13 @@ def in_rounds(runs: dict, rounds: int, steps: int, common: list[str]) -> dict:
     leaves it out."""
     training.share_cores()  # else the step times would measure the contention between ranks
     results = {name: [] for name in runs}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, extra in runs.items():
             cpu_s = []
             done = training.run([*common, *extra, "--max_steps", str(steps), "--no_save"],
-                                around_train_step=partial(_cpu_timed, cpu_s))
+                                around_train_step=partial(_cpu_timed, cpu_s), announce=False)
             results[name].append({"records": done["records"], "cpu_s": cpu_s, "log": done["log"]})
+        training.progress(f"  ranks: timing round {r + 1} of {rounds} done ({len(runs)} configurations)")
     return results
 
 

@@ -32,3 +32,19 @@ def run_all(common: list[str], runs: dict[str, list[str]], timed: dict[str, list
     step_s = {name: [[r["step_time_s"] for r in done["records"]] for done in per_round]
               for name, per_round in rounds_done.items()}
     return {"runs": results, "step_s": step_s, "bench": strategies.time_implementations("fsdp", **bench)}
+
+
+def accelerate_parity(model_dir: str, out: str) -> dict:
+    """`minidist.bench.accelerate_parity.both_sides` on this rank (minidist's run, then Accelerate's),
+    without two things a learner would take for errors, red under the cell: transformers' "Loading
+    weights" progress bar, and Accelerate's warning that OMP_NUM_THREADS is unset and that it sets it
+    to 1 (it does, for its side; what is compared is the losses, step by step)."""
+    import warnings
+
+    from transformers.utils import logging
+
+    from minidist.bench import accelerate_parity as parity
+
+    logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset")
+    return parity.both_sides(model_dir, out)

@@ -123,6 +123,8 @@ def steps(model_dir: str, sequence_parallel_variants, num_steps: int = 2, batch:
         options = ParallelOptions(strategy="ddp", impl="minidist", tp_size=env.world_size,
                                   sequence_parallel=sequence_parallel)
         results[sequence_parallel] = _train(get_strategy(options, env), model_dir, data, num_steps, lr)
+        training.progress(f"  ranks: tp {env.world_size}{', sequence parallel' if sequence_parallel else ''}: "
+                          f"{num_steps} steps done")
     return results
 
 

@@ -83,6 +83,7 @@ def pipeline(model_dir: str, cases: list[tuple[str, int]], num_steps: int = 2, b
             losses.append(None if loss_sum is None else loss_sum.item() / num_targets)
         out.append({"schedule": schedule, "m": m, "losses": losses, "sent": sent, "formula": formula,
                     "peak_held": run.peak_held, "layers": list(stage.layer_ids)})
+        training.progress(f"  ranks: pp {pp}, {schedule} with m = {m}: {num_steps} steps done")
     return out
 
 
@@ -113,5 +114,6 @@ def lesson(model_dir: str, cases: list[tuple[str, int]], num_steps: int, batch: 
     `bubble_sizes`: bubble.py's docstring says why) as (timeline, step_time) per step."""
     out = {"pipeline": pipeline(model_dir, cases, num_steps, batch, seq_len)}
     if bubble_tables:
+        training.progress(f"  ranks: timing the bubble, {len(bubble_tables)} schedules")
         out["bubble"] = bubble.measure(bubble_tables, **(bubble_sizes or {}))
     return out

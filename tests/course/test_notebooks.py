@@ -1,10 +1,19 @@
-"""Every lesson notebook runs top to bottom, in its small configuration, without an error.
+"""Every lesson notebook runs top to bottom, in its small configuration, without an error, and so does
+every widget it draws.
 
 The notebooks read MINIDIST_SMALL=1 in their first cell and shrink the model and the run. Each is
 executed by nbclient in a fresh `python3` kernel of this environment, from notebooks/ (where its
 workers_NN.py lives), with the tiny model cached under pytest's temporary folder. The executed
 copy stays in memory: the committed notebook keeps the outputs of a full run (re-run them all with
 the command in notebooks/README.md).
+
+An error inside a widget never reaches nbclient as a cell error: an ipywidgets callback that raises
+prints its traceback into its Output widget, and the cell that drew it still succeeds. What the
+learner sees there, nbclient keeps, as a frontend would, in the widgets' state (`widget_state`, and
+the notebook's `widgets` metadata): so the test reads every Output widget's outputs and fails on an
+error among them. Then, in the same kernel, it turns each control of the notebook's calculator once
+(`CONTROLS`: lesson 00's), as a learner clicking through it would, and checks after every change
+that the calculator's output shows an estimate and no traceback.
 
 Time is reported, not asserted. Each notebook's seconds go into its test report
 (`record_property`), and `tests/conftest.py` prints them all at the end of the session, with
@@ -28,6 +37,51 @@ pytestmark = pytest.mark.slow
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 BUDGET_S = 90  # seconds per notebook on the 2-core CI machine, kernel start included: reported, never asserted
 HANG_GUARD_S = 600  # seconds per cell before nbclient gives up on it: a hang, not a slow machine
+# Notebook -> (the global dict of its interactive controls, its output widget, the text an estimate shows).
+CONTROLS = {"00_memory": ("controls", "output", "peak per rank")}
+# Run in the kernel after the notebook: give one control a value other than its own (the next option of a
+# dropdown, the other state of a checkbox, twice a number), as a click or a keystroke would.
+TURN = """\
+_control = {controls}[{name!r}]
+if hasattr(_control, "options"):
+    _control.value = next(v for v in _control.options if v != _control.value)
+elif isinstance(_control.value, bool):
+    _control.value = not _control.value
+else:
+    _control.value = min(_control.value * 2, getattr(_control, "max", _control.value * 2))
+print(repr(_control.value))
+"""
+
+
+def widget_errors(client: nbclient.NotebookClient) -> list[str]:
+    """The error outputs nbclient holds in its Output widgets (what each shows a learner), as 'ename: evalue'."""
+    return [f"{out['ename']}: {out['evalue']}" for state in client.widget_state.values()
+            if state.get("_model_name") == "OutputModel"
+            for out in state.get("outputs", []) if out.get("output_type") == "error"]
+
+
+def run_in_kernel(client: nbclient.NotebookClient, source: str) -> str:
+    """Execute `source` as one more cell of the notebook, in its kernel; return what it printed."""
+    cell = nbformat.v4.new_code_cell(source)
+    client.nb.cells.append(cell)
+    client.execute_cell(cell, len(client.nb.cells) - 1)  # raises CellExecutionError on an error
+    return "".join(out.get("text", "") for out in cell.outputs)
+
+
+def turn_every_control(client: nbclient.NotebookClient, notebook: str) -> list[str]:
+    """Change each control of `notebook`'s calculator once; after each change its output must show
+    an estimate (the report's text; the test's `agg` backend draws no figure into it) and no error.
+    Returns the controls turned, by name."""
+    controls, output, estimate = CONTROLS[notebook]
+    names = eval(run_in_kernel(client, f"print(list({controls}))"))
+    shown = client.widget_state[run_in_kernel(client, f"print({output}.model_id)").strip()]
+    for name in names:
+        value = run_in_kernel(client, TURN.format(controls=controls, name=name)).strip()
+        outputs = shown["outputs"]
+        assert not widget_errors(client), f"{notebook}: {name} = {value}: {widget_errors(client)}"
+        text = "".join(out.get("text", "") for out in outputs)
+        assert estimate in text, f"{notebook}: {name} = {value}: the calculator shows no estimate: {text[:300]!r}"
+    return names
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
@@ -36,14 +90,19 @@ def test_notebook_runs_top_to_bottom_in_its_small_configuration(path, tmp_path, 
     monkeypatch.setenv("MINIDIST_SMALL", "1")
     monkeypatch.setenv("MINIDIST_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MPLBACKEND", "agg")  # figures are rendered to PNG outputs, no display needed
+    monkeypatch.delenv("MINIDIST_WRITE_FIGURES", raising=False)  # a plain run: the lesson's figures untouched
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=HANG_GUARD_S,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
     started = time.perf_counter()
-    client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
-    # For the session's summary (conftest.py): how long it took, against the budget; no assert.
-    record_property("notebook_seconds", time.perf_counter() - started)
-    record_property("notebook_budget_s", BUDGET_S)
+    with client.setup_kernel():  # one kernel for the notebook and the controls turned after it
+        client.execute(cleanup_kc=False)  # raises CellExecutionError, with the cell and its traceback
+        # For the session's summary (conftest.py): how long it took, against the budget; no assert.
+        record_property("notebook_seconds", time.perf_counter() - started)
+        record_property("notebook_budget_s", BUDGET_S)
+        assert not widget_errors(client), f"{path.stem}: an error inside a widget: {widget_errors(client)}"
+        if path.stem in CONTROLS:
+            assert len(turn_every_control(client, path.stem)) >= 8  # the calculator's eight controls, each turned
 
 
 def test_the_summary_reports_each_notebook_time_and_marks_the_ones_over_budget():
