@@ -280,11 +280,6 @@ def _manifest(path: Path) -> dict:
     if not intact:
         raise ValueError(f"{manifest} is damaged (it does not match its own checksum, or is not a minidist "
                          f"manifest); resume from another checkpoint or start afresh without --resume")
-    position = meta.get("position")
-    if type(meta.get("step")) is not int or meta.get("form") not in ("sharded", "full") or not isinstance(
-            position, dict) or not all(type(position.get(k)) is int for k in ("epoch", "offset")):  # edited, resealed
-        raise ValueError(f"{manifest} is damaged: its step, form or position is not what minidist writes; resume "
-                         f"from another checkpoint or start afresh without --resume")
     for name, size in files.items():
         if not data_only.plain_relative(name) or type(size) is not int:  # "../../../etc/hostname", "/x"
             raise ValueError(f"{manifest} lists {name!r}, which is not a file inside the checkpoint; resume from "
@@ -298,6 +293,11 @@ def _manifest(path: Path) -> dict:
         if have != size:  # a truncated copy, a full disk: sizes catch it without reading everything
             raise ValueError(f"checkpoint {path} is damaged: {name} has {have} of its {size} bytes; "
                              f"resume from another checkpoint or start afresh without --resume")
+    position = meta.get("position")
+    if type(meta.get("step")) is not int or meta.get("form") not in ("sharded", "full") or not isinstance(
+            position, dict) or not all(type(position.get(k)) is int for k in ("epoch", "offset")):  # edited, resealed
+        raise ValueError(f"{manifest} is damaged: its step, form or position is not what minidist writes; resume "
+                         f"from another checkpoint or start afresh without --resume")
     return meta
 
 
