@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from minidist import batches
+from minidist import batches, packing
 from minidist.checkpoint import preemption, state
 from minidist.checkpoint.session import Session
 from minidist.chess import jsonl, legal_moves
@@ -49,7 +49,8 @@ from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
 from minidist.strategy.options import ParallelOptions
 from minidist.strategy import get_strategy
-from minidist.step import assemble_micro_batches, follow_schedule, lr_schedule, rescale_peak, train_step
+from minidist.step import (Packing, assemble_micro_batches, follow_schedule, lr_schedule, rescale_peak,
+                           step_token_counts, train_step)
 
 
 LEARNING_RATE = 3e-3  # the peak, reached after --warmup_steps
@@ -80,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--max_steps", type=int, default=150)
     p.add_argument("--max_seq_length", type=int, default=128)
+    p.add_argument("--pack", action="store_true",
+                   help="pack whole games into rows of --max_seq_length tokens, each game attending to itself alone "
+                        "(packing.py), instead of padding every game to the longest of its micro-batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
@@ -171,6 +175,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     session.catch_stop_signals()  # from here SIGTERM/SIGUSR1/SIGINT mean: save after this step, stop
 
     model, config, num_params, model_name = _model(args, env, strategy, lora_options)
+    games.pack = _packing(args, config, env, games)  # how the batches are packed; None without --pack
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, args.warmup_steps, args.max_steps))
     session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
@@ -197,7 +202,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
             t0 = time.perf_counter()
             micro_batches, num_targets = assemble_micro_batches(games.sampler, games.sequences, step, mesh.dp_rank,
                                                                 mesh.dp_size, micro_bs, pad_token_id, env.device,
-                                                                strategy.sequence_multiple)
+                                                                strategy.sequence_multiple, games.pack)
             lr = scheduler.get_last_lr()[0]
             with meter.step(model, optimizer):  # the whole step's peak, and what forward saves for backward
                 with around_train_step():  # whatever a caller measures (see `train`); nothing by default
@@ -216,7 +221,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
             memory = measure.gather(memory, env.device)  # outside the timed step: every rank's figures
             lengths = [len(games.sequences[i]) for i in games.sampler.global_batch(step)]
             record = recorder.record(step + 1, summed / num_targets, lr, norm, step_time, lengths, memory,
-                                     strategy.take_comm_bytes(split=True))
+                                     strategy.take_comm_bytes(split=True), _token_counts(games, step, strategy, micro_bs))
             results["losses"].append(record["loss"])
             if log:
                 log.write(record)
@@ -249,6 +254,7 @@ class Games:
     sequences: list[list[int]]  # token ids per game (batches.tokenize_games)
     sampler: batches.GlobalBatchSampler  # which games form global batch k, and who computes which
     prefixes: list  # held-out game prefixes for the legal-move rate ([]: --eval_prefixes 0)
+    pack: Packing | None = None  # --pack: games packed whole into rows (packing.py), set once the model is loaded
 
 
 def _check(args, env, session: Session):
@@ -272,6 +278,8 @@ def _check(args, env, session: Session):
                       f"(not legal chess)")
         if args.pp_size > 1:
             _check_pipeline(args, lora_options)
+        if args.pack:
+            _check_pack(args)
         if args.impl == "torch" and args.sequence_parallel and args.eval_prefixes:
             raise ValueError("PyTorch's sequence parallelism cuts every sequence over the ranks, so it cannot generate "
                              "a token at a time for the legal-move rate: pass --eval_prefixes 0, or use --impl minidist")
@@ -293,6 +301,39 @@ def _check(args, env, session: Session):
     except (FileNotFoundError, NotImplementedError, ValueError) as err:
         raise UsageError(err) from err
     return strategy, lora_options, Games(tokenizer, sequences, sampler, prefixes)
+
+
+def _check_pack(args) -> None:
+    """What `--pack` cannot do, each in one line (a ValueError): an attention that cannot take the mask
+    (eager adds it to its scores as numbers), and PyTorch's pipeline, whose stages take one 2-D
+    attention mask of fixed shape (`pipeline/reference.py`)."""
+    packing.attention_path(models.build_on_meta(args.model).config._attn_implementation)
+    if args.pp_size > 1 and args.impl == "torch":
+        raise ValueError("--pack with PyTorch's pipeline (--impl torch --pp_size) has not been built: its stages take "
+                         "a 2-D attention mask; use --impl minidist for the pipeline, or train without --pack")
+
+
+def _packing(args, config, env, games: "Games") -> Packing | None:
+    """With `--pack`: how the batches are packed, and two lines at the start (rank 0): the attention
+    path (`packing.choose_attention`: flash-attention's varlen on a GPU that has it) and how many
+    games `tokenize_games` cut to --max_seq_length (a row holds whole games of at most that many
+    tokens, so those are packed as cut)."""
+    if not args.pack:
+        return None
+    implementation = packing.choose_attention(config, env.device)
+    eos = games.tokenizer.eos_token_id
+    cut = sum(1 for seq in games.sequences if seq[-1] != eos)  # an uncut game ends with EOS (tokenize_games)
+    if env.is_main:
+        print(packing.describe_attention(implementation))
+        print(f"--pack: {cut} of {len(games.sequences)} games are longer than --max_seq_length {args.max_seq_length} "
+              f"tokens and are truncated to it (tokenize_games), then packed whole")
+    return Packing(args.max_seq_length, varlen=packing.ATTENTION_PATHS[implementation] == "varlen")
+
+
+def _token_counts(games: Games, step: int, strategy, micro_bs: int) -> dict:
+    """The real and padded tokens the data-parallel ranks compute at `step`, for its record."""
+    return step_token_counts(games.sampler, games.sequences, step, strategy.mesh.dp_size, micro_bs,
+                             strategy.sequence_multiple, games.pack)
 
 
 def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:

@@ -14,10 +14,12 @@ same gradient.
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from minidist import packing
 from minidist.batches import GlobalBatchSampler, collate
 
 
@@ -58,29 +60,77 @@ def follow_schedule(scheduler) -> None:
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reads
 
 
+@dataclass(frozen=True)
+class Packing:
+    """`--pack`: games packed whole into rows of `max_seq_length` tokens (`packing.py`); `varlen`:
+    flash-attention's variable-length path (the rows flattened, no mask), else SDPA with the mask."""
+    max_seq_length: int
+    varlen: bool = False
+
+
 def assemble_micro_batches(sampler: GlobalBatchSampler, sequences: list[list[int]], step: int, rank: int,
                            world_size: int, micro_batch_size: int, pad_token_id: int,
-                           device: torch.device, multiple: int = 1) -> tuple[list[dict], int]:
+                           device: torch.device, multiple: int = 1,
+                           pack: Packing | None = None) -> tuple[list[dict], int]:
     """This rank's micro-batches of optimizer step `step`, collated (padded to a multiple of
     `multiple` tokens) and on `device`, and the number of target tokens in the whole global batch:
     what `train_step` takes. `rank` and `world_size` are the data-parallel ones.
 
     The sampler knows every rank's share of the global batch (`batches.py`), so every rank counts
     the whole batch's targets itself, with no communication: a sequence of n tokens has n - 1
-    targets, as position t predicts token t + 1."""
-    num_targets = sum(len(sequences[i]) - 1 for i in sampler.global_batch(step))  # every rank can count it
-    micro_batches = []
-    for ids in sampler.micro_batches(step, rank, world_size, micro_batch_size):
-        batch = collate([sequences[i] for i in ids], pad_token_id, multiple)
-        micro_batches.append({name: tensor.to(device) for name, tensor in batch.items()})
+    targets, as position t predicts token t + 1.
+
+    With `pack`, a step's batch is the same global batch of games, dealt out by tokens instead of
+    by the sampler's slices (`packing.layout`): the same games and the same target count, so the
+    loss, its normalisation and `--resume` do not change; each of the A micro-batches holds packed rows."""
+    games = sampler.global_batch(step)
+    num_targets = sum(len(sequences[i]) - 1 for i in games)  # every rank can count it
+    if pack is None:
+        groups = [collate([sequences[i] for i in ids], pad_token_id, multiple)
+                  for ids in sampler.micro_batches(step, rank, world_size, micro_batch_size)]
+    else:
+        accumulation = sampler.accumulation_steps(world_size, micro_batch_size)
+        mine = packing.layout([len(sequences[i]) for i in games], world_size, accumulation, pack.max_seq_length)[rank]
+        groups = [packing.collate_packed([[sequences[games[k]] for k in row] for row in rows], pad_token_id, multiple)
+                  for rows in mine]
+        if pack.varlen:
+            groups = [packing.flatten_for_varlen(batch) for batch in groups]
+    micro_batches = [{name: None if tensor is None else tensor.to(device) for name, tensor in batch.items()}
+                     for batch in groups]
     return micro_batches, num_targets
+
+
+def step_token_counts(sampler: GlobalBatchSampler, sequences: list[list[int]], step: int, world_size: int,
+                      micro_batch_size: int, multiple: int = 1, pack: Packing | None = None) -> dict:
+    """The real and padded tokens every data-parallel rank computes at step `step`, for the step's
+    record (`packing.token_counts`), from the layout alone: no tensor, no communication."""
+    games = sampler.global_batch(step)
+    if pack is None:
+        per_rank = []
+        for rank in range(world_size):
+            lengths = [[len(sequences[i]) for i in ids]
+                       for ids in sampler.micro_batches(step, rank, world_size, micro_batch_size)]
+            per_rank.append([(sum(n), len(n) * (-(-max(n) // multiple) * multiple)) for n in lengths])
+        return packing.token_counts(per_rank)
+    accumulation = sampler.accumulation_steps(world_size, micro_batch_size)
+    lengths = [len(sequences[i]) for i in games]
+    per_rank = []
+    for rows_by_micro_batch in packing.layout(lengths, world_size, accumulation, pack.max_seq_length):
+        counts = []
+        for rows in rows_by_micro_batch:
+            row_lengths = [sum(lengths[k] for k in row) for row in rows]
+            counts.append((sum(row_lengths), max(1, len(rows)) * packing.packed_width(row_lengths, multiple)))
+        per_rank.append(counts)
+    return packing.token_counts(per_rank)
 
 
 def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     """The summed next-token cross-entropy of a micro-batch (not the mean: see module doc)."""
     with strategy.autocast():
         # use_cache=False: a key/value cache only helps generation; in training it is dead memory.
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        # Packed rows (`packing.py`) bring their own position ids, from 0 in each game; else None: 0..s-1.
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch.get("position_ids"), use_cache=False).logits
     # Position t predicts token t+1; padding carries the label -100 and is ignored. The softmax
     # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

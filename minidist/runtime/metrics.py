@@ -73,10 +73,11 @@ class StepRecorder:
         self.num_params, self.config, self.device, self.world_size = num_params, config, device, world_size
 
     def record(self, step: int, loss: float, lr: float, grad_norm, step_time: float, lengths: list[int],
-               memory: dict, comm_bytes: dict) -> dict:
+               memory: dict, comm_bytes: dict, token_counts: dict | None = None) -> dict:
         """Step `step`'s record. `lengths`: the token count of each sequence in the global batch;
         `memory`: every rank's figures (`memory/measure.py`, `gather`); `comm_bytes`: what this rank
-        sent (`Strategy.take_comm_bytes`)."""
+        sent (`Strategy.take_comm_bytes`); `token_counts`: the real and padded tokens the data-
+        parallel ranks computed and the padding's share (`step.step_token_counts`), when given."""
         tokens = sum(lengths)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "step_time_s": step_time, "tokens": tokens, "tokens_per_s": tokens / step_time,
@@ -85,7 +86,7 @@ class StepRecorder:
                   "memory_bytes": memory,  # per rank, lists by rank
                   # sent by this rank in the step, in all and within/across nodes (parallel/comm.py,
                   # parallel/across_nodes.py); None for --impl torch
-                  **comm_bytes}
+                  **comm_bytes, **(token_counts or {})}
         peak = peak_flops(self.device)
         if peak:  # on a GPU we know: the share of the peak the model's own FLOPs reached
             mean_len = tokens / len(lengths)

@@ -116,7 +116,8 @@ class Stage(nn.Module):
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=batch["attention_mask"],
+        # A packed micro-batch's mask is 4-D already (`packing.document_mask`), and transformers takes it as it is.
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=batch.get("attention_mask"),
                                   cache=None, position_ids=position_ids)
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers:

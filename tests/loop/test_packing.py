@@ -1,0 +1,188 @@
+"""Sequence packing (`minidist/packing.py`), on one process: a packed batch trains exactly as its games
+one at a time, no game sees another, the batches of a step keep every game once, and the inputs
+`--pack` refuses. The 2-rank parity of every strategy with `--pack` is tests/parallel/test_pack_parity.py."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minidist import packing
+from minidist.batches import GlobalBatchSampler, tokenize_games
+from minidist.chess import jsonl
+from minidist.chess.games import bundled_games
+from minidist.hf import models
+from in_process import run_here_in_one_line
+from minidist.step import Packing, assemble_micro_batches, step_token_counts, token_loss_sum
+
+
+class _Plain:
+    """The strategy's part of `token_loss_sum` for one process: no autocast, the whole vocabulary's loss."""
+
+    def autocast(self):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def cross_entropy_sum(self, logits, targets):
+        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+
+@pytest.fixture(scope="module")
+def games(tiny_model):
+    tokenizer = models.load_tokenizer(tiny_model)
+    return tokenizer, tokenize_games(jsonl.load_games(bundled_games("train"))[:40], tokenizer, 48)
+
+
+def _gradients(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_a_packed_batch_trains_exactly_as_its_games_one_at_a_time(tiny_model, games):
+    """The loss and every gradient of 7 games packed into rows of 64 tokens equal those of the 7 games
+    run alone, unpadded, in fp32, to 1e-6; both divided by the batch's target count, as the loop
+    divides them (lesson 03), so that the tolerance speaks of the gradients a step takes (summed,
+    they are some 300 times larger, and the order of the sums shows at 2e-6)."""
+    tokenizer, sequences = games
+    chosen = sequences[:7]
+    model = models.load_model(tiny_model)
+    rows = packing.pack_rows([len(s) for s in chosen], 64)
+    assert len(rows) < len(chosen) and sorted(i for row in rows for i in row) == list(range(7))
+    batch = packing.collate_packed([[chosen[i] for i in row] for row in rows], tokenizer.pad_token_id)
+    targets = sum(len(s) - 1 for s in chosen)
+    packed = token_loss_sum(model, batch, _Plain()) / targets
+    packed.backward()
+    packed_grads = _gradients(model)
+    model.zero_grad()
+    alone = 0.0
+    for seq in chosen:
+        ids = torch.tensor([seq])
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum") / targets
+        loss.backward()
+        alone = alone + loss.detach()
+    torch.testing.assert_close(packed.detach(), alone, rtol=1e-6, atol=1e-6)
+    for name, grad in _gradients(model).items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert int((batch["labels"] != -100).sum()) == targets  # n - 1 targets a game, as unpacked
+
+
+def _logits_by_game(model, batch, mask=True):
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if mask:
+        inputs["attention_mask"] = batch["attention_mask"]
+    else:  # position ids alone, every token real: the mistake the mask exists to prevent
+        inputs["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    return logits, batch["document_ids"]
+
+
+def _three_games_with_the_first_changed(tiny_model, games, mask):
+    """The logits of a row of three games, and of the same row with the first game's tokens changed,
+    and which game each position holds."""
+    tokenizer, sequences = games
+    a, b, c = sequences[0][:15], sequences[1][:20], sequences[2][:10]
+    changed = [tokenizer.eos_token_id] * len(a)
+    model = models.load_model(tiny_model)
+    before, docs = _logits_by_game(model, packing.collate_packed([[a, b, c]], tokenizer.pad_token_id), mask)
+    after, _ = _logits_by_game(model, packing.collate_packed([[changed, b, c]], tokenizer.pad_token_id), mask)
+    assert int((docs[0] >= 2).sum()) == len(b) + len(c)
+    return before[0], after[0], docs[0]
+
+
+def test_changing_one_game_leaves_the_others_logits_bitwise_unchanged(tiny_model, games):
+    """Three games in one row; the first game's tokens changed: the logits of the second and third
+    are equal bit for bit, the first's are not."""
+    before, after, docs = _three_games_with_the_first_changed(tiny_model, games, mask=True)
+    assert torch.equal(before[docs >= 2], after[docs >= 2])
+    assert not torch.equal(before[docs == 1], after[docs == 1])
+
+
+def test_position_ids_alone_let_the_games_see_each_other(tiny_model, games):
+    """The same rows with the position ids reset but a plain padding mask instead of the block-diagonal
+    one (the mistake of nanoVLM #204 and LlamaFactory #2289): the later games' logits change with the
+    first game's tokens. (With no mask at all, transformers derives the games from the position ids
+    itself: `masking_utils.find_packed_sequence_indices`; a 2-D mask, as the loop's collate gives,
+    turns that off.)"""
+    before, after, docs = _three_games_with_the_first_changed(tiny_model, games, mask=False)
+    assert not torch.equal(before[docs >= 2], after[docs >= 2])
+
+
+def test_the_mask_is_block_diagonal_causal_and_padding_sees_itself():
+    docs = torch.tensor([[1, 1, 2, 2, 2, 0, 0]])
+    mask = packing.document_mask(docs)[0, 0]
+    want = torch.tensor([[1, 0, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0, 0],
+                         [0, 0, 1, 0, 0, 0, 0],
+                         [0, 0, 1, 1, 0, 0, 0],
+                         [0, 0, 1, 1, 1, 0, 0],
+                         [0, 0, 0, 0, 0, 1, 0],
+                         [0, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask, want)
+
+
+def test_first_fit_decreasing_places_games_whole_and_refuses_a_longer_one():
+    assert packing.pack_rows([5, 9, 3, 6, 4], 10) == [[1], [3, 4], [0, 2]]
+    with pytest.raises(ValueError, match="does not fit a row of 10"):
+        packing.pack_rows([11], 10)
+
+
+@pytest.mark.parametrize("world, micro, accumulation", [(2, 1, 4), (1, 2, 2), (4, 1, 2)])
+def test_a_step_keeps_every_game_once_balanced_and_the_same_micro_batches_on_every_rank(games, world, micro,
+                                                                                            accumulation):
+    """Every game of the global batch is in exactly one row of one rank, whole; every rank runs the
+    same number of micro-batches (empty ones, a row of padding, where a rank has fewer rows: here with
+    4 ranks); the real token counts of the ranks differ by at most the longest game; the counts the
+    record takes agree with the tensors."""
+    tokenizer, sequences = games
+    sampler = GlobalBatchSampler(len(sequences), world * micro * accumulation, seed=1)
+    pack = Packing(max_seq_length=96)
+    seen, real, counted = [], [], []
+    for rank in range(world):
+        batches, targets = assemble_micro_batches(sampler, sequences, 0, rank, world, micro, tokenizer.pad_token_id,
+                                                  torch.device("cpu"), pack=pack)
+        assert len(batches) == accumulation
+        assert targets == sum(len(sequences[i]) - 1 for i in sampler.global_batch(0))
+        real.append(sum(int((b["document_ids"] != 0).sum()) for b in batches))
+        counted.append(sum(b["input_ids"].numel() for b in batches))
+        for b in batches:
+            for row, docs in zip(b["input_ids"], b["document_ids"]):
+                for d in docs.unique().tolist():
+                    if d:
+                        seen.append(row[docs == d].tolist())
+    assert sorted(seen) == sorted(sequences[i] for i in sampler.global_batch(0))
+    assert max(real) - min(real) <= max(len(s) for s in sequences)
+    counts = step_token_counts(sampler, sequences, 0, world, micro, pack=pack)
+    assert counts["real_tokens"] == sum(real) and counts["padded_tokens"] == sum(counted) - sum(real)
+
+
+def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(tiny_model, games):
+    tokenizer, _ = games
+    model = models.load_model(tiny_model)
+    batch = packing.collate_packed([], tokenizer.pad_token_id, multiple=4)
+    assert batch["input_ids"].shape == (1, 4) and (batch["labels"] == -100).all()
+    loss = token_loss_sum(model, batch, _Plain())
+    loss.backward()
+    assert loss.item() == 0 and all(not p.grad.any() for p in model.parameters())
+
+
+def test_pack_refuses_an_attention_that_cannot_take_the_mask(tiny_model, tmp_path, capsys):
+    """A model whose config asks for eager attention (it adds the mask to its scores as numbers):
+    one line naming it, exit 2, before the model loads."""
+    folder = tmp_path / "eager"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attn_implementation": "eager"}))
+    code, line = run_here_in_one_line(["--model", str(folder), "--pack", "--max_steps", "1", "--eval_prefixes", "0",
+                                       "--output_dir", str(tmp_path / "out")], capsys)
+    assert code == 2 and "--pack needs an attention" in line and "this model's is eager" in line, line
+
+
+def test_pack_with_pytorchs_pipeline_is_refused_in_one_line(tiny_model, tmp_path, capsys):
+    code, line = run_here_in_one_line(["--model", tiny_model, "--pack", "--impl", "torch", "--strategy", "fsdp",
+                                       "--pp_size", "2", "--max_steps", "1", "--eval_prefixes", "0",
+                                       "--output_dir", str(tmp_path / "out")], capsys)
+    assert code == 2 and "--pack with PyTorch's pipeline" in line, line
