@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minidist import batches
+from minidist import batches, packing
 from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.hf import models
@@ -78,10 +78,13 @@ def train_reference(model_dir, **kwargs):
 
 
 def run_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=torch.float32, frozen=(),
-                  lr_lambda=None, lora_config=None, data=None) -> Reference:
+                  lr_lambda=None, lora_config=None, data=None, pack=False) -> Reference:
     """Train the reference; return its `Reference`.
 
     data: the games file, as the loop's `--data` (the bundled training games by default).
+
+    pack: the whole global batch packed into rows of `seq_len` tokens (`minidist/packing.py`), the
+    model given the block-diagonal mask and the position ids: the single-process run `--pack` is held to.
 
     lora_config: a peft `LoraConfig`, applied with peft's own `get_peft_model` after seeding the
     RNG with `seed` (its A matrices are random)."""
@@ -101,8 +104,14 @@ def run_reference(model_dir, *, steps, global_batch, seq_len, lr, seed=0, dtype=
     losses, norms, max_move = [], [], 0.0
     small = {p: torch.zeros_like(p, dtype=torch.bool) for p in params}  # in the eps regime at some step
     for step in range(steps):
-        batch = batches.collate([sequences[i] for i in sampler.global_batch(step)], tokenizer.pad_token_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        games = [sequences[i] for i in sampler.global_batch(step)]
+        if pack:
+            rows = packing.pack_rows([len(game) for game in games], seq_len)
+            batch = packing.collate_packed([[games[i] for i in row] for row in rows], tokenizer.pad_token_id)
+        else:
+            batch = batches.collate(games, tokenizer.pad_token_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch.get("position_ids")).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params, 1.0).item())
