@@ -2,8 +2,9 @@
 
 Each run trains a few steps of the tiny Llama through the training script's command line with
 `--pack`, all in one launch of 2 ranks (as test_fast_parity.py: a start-up costs more than a run):
-DDP, ZeRO-2 and FSDP by hand, PyTorch's FSDP2, tensor parallelism 2 with sequence parallelism (the
-sequence cut into chunks: the mask and the position ids must follow it) and a pipeline of 2 stages.
+DDP, ZeRO-2 and FSDP by hand, PyTorch's FSDP2, tensor parallelism 2 by hand with sequence parallelism
+(the residual stream cut into chunks of the sequence, gathered for attention, which takes the whole
+row's mask and position ids), PyTorch's tensor parallelism 2, and a pipeline of 2 stages.
 The games are short ones (fewer than 60 moves) in rows of 96 tokens, so that rows hold two games
 or more. With 4 games a step, some micro-batches hold no game and run one row of padding
 (`packing.layout`): ZeRO-2's second on each rank at steps 1 and 3, and the pipeline's last one or two
@@ -33,6 +34,7 @@ STRATEGIES = {  # name -> the flags that choose it, 2 ranks, a global batch of 4
     "fsdp2": ["--impl", "torch", "--strategy", "fsdp", "--batch_size_per_device", "2"],
     "tp": ["--impl", "minidist", "--strategy", "ddp", "--tp_size", "2", "--sequence_parallel",
            "--batch_size_per_device", "4"],
+    "tp_torch": ["--impl", "torch", "--strategy", "fsdp", "--tp_size", "2", "--batch_size_per_device", "4"],
     # 1F1B over 4 micro-batches on the one data-parallel rank, of which 1 or 2 are empty each step
     "pp": ["--impl", "minidist", "--strategy", "ddp", "--pp_size", "2", "--batch_size_per_device", "1",
            "--gradient_accumulation_steps", "4"],
