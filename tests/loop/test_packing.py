@@ -69,6 +69,28 @@ def test_a_packed_batch_trains_exactly_as_its_games_one_at_a_time(tiny_model, ga
     assert int((batch["labels"] != -100).sum()) == targets  # n - 1 targets a game, as unpacked
 
 
+def test_rows_flattened_for_flash_attention_varlen_give_the_same_loss_and_gradients(tiny_model, games):
+    """`flatten_for_varlen`, the GPU path's batch (rows end to end, no mask, the games told by the
+    position ids), checked on CPU: given no mask, transformers' SDPA derives the same games from the
+    position ids (`masking_utils.find_packed_sequence_indices`) as flash-attention's varlen does
+    (`prepare_fa_kwargs_from_position_ids`), so the loss and gradients must equal the masked rows'."""
+    tokenizer, sequences = games
+    chosen = sequences[3:10]
+    rows = packing.pack_rows([len(s) for s in chosen], 64)
+    batch = packing.collate_packed([[chosen[i] for i in row] for row in rows], tokenizer.pad_token_id, multiple=4)
+    model = models.load_model(tiny_model)
+    results = []
+    for b in (batch, packing.flatten_for_varlen(batch)):
+        model.zero_grad()
+        loss = token_loss_sum(model, b, _Plain()) / sum(len(s) - 1 for s in chosen)
+        loss.backward()
+        results.append((loss.detach(), _gradients(model)))
+    assert packing.flatten_for_varlen(batch)["input_ids"].shape == (1, batch["input_ids"].numel())
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _logits_by_game(model, batch, mask=True):
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     if mask:
