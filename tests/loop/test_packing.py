@@ -14,7 +14,7 @@ from minidist.batches import GlobalBatchSampler, tokenize_games
 from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.hf import models
-from in_process import run_here_in_one_line
+from in_process import run_here, run_here_in_one_line
 from minidist.step import Packing, assemble_micro_batches, step_token_counts, token_loss_sum
 
 
@@ -208,3 +208,32 @@ def test_pack_with_pytorchs_pipeline_is_refused_in_one_line(tiny_model, tmp_path
                                        "--pp_size", "2", "--max_steps", "1", "--eval_prefixes", "0",
                                        "--output_dir", str(tmp_path / "out")], capsys)
     assert code == 2 and "--pack with PyTorch's pipeline" in line, line
+
+
+@pytest.mark.slow  # three runs of the loop
+def test_a_packed_run_resumes_exactly(tiny_model, tmp_path, monkeypatch, capsys):
+    """A step's batch with --pack is the sampler's global batch of games, packed: a run stopped after
+    step 1 (the stop file) and resumed logs, for steps 2 and 3, the very losses and token counts of
+    the run that was not stopped."""
+    data = tmp_path / "games.jsonl"
+    jsonl.write_games(jsonl.load_games(bundled_games("train"))[:64], data)
+
+    def argv(out, *extra):
+        return ["--model", tiny_model, "--pack", "--data", str(data), "--output_dir", str(out), "--max_steps", "3",
+                "--max_seq_length", "64", "--eval_prefixes", "0", "--batch_size_per_device", "4",
+                "--gradient_accumulation_steps", "2", "--warmup_steps", "1", "--seed", "3", "--no_save", *extra]
+
+    assert run_here(argv(tmp_path / "whole"), capsys)[0] == 0
+    stop_file = tmp_path / "stop"
+    stop_file.touch()
+    monkeypatch.setenv("MINIDIST_STOP_FILE", str(stop_file))
+    assert run_here(argv(tmp_path / "stopped"), capsys)[0] == 75
+    monkeypatch.delenv("MINIDIST_STOP_FILE")
+    code, err = run_here(argv(tmp_path / "stopped", "--resume"), capsys)
+    assert code == 0, err
+
+    def records(out):
+        return [{k: r[k] for k in ("step", "loss", "grad_norm", "real_tokens", "padded_tokens")}
+                for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+    assert records(tmp_path / "stopped") == records(tmp_path / "whole")

@@ -24,6 +24,9 @@ from pipeline_launches import run_planned
 from reference import assert_parameters_match, run_reference
 from train_workers import run_finetunes
 
+# The full suite only: a second launch of 2 ranks beside test_fast_parity.py's, some 35 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 STEPS, SEQ, LR, SEED, WORLD, GLOBAL_BATCH = 3, 96, 3e-3, 3, 2, 4
 
 STRATEGIES = {  # name -> the flags that choose it, 2 ranks, a global batch of 4 games
