@@ -8,6 +8,9 @@ single process: the *global* batch of step k depends on the seed alone. The worl
 micro-batch size only decide who computes which slice of it. So 1 GPU with 8 accumulation steps
 and 4 GPUs with 2 see the same examples per optimizer step and, in fp32, take the same step.
 
+Packing several whole games into each row instead of padding every game to the longest of its
+micro-batch (`--pack`) is `packing.py`'s; a packed step takes the same global batches from this sampler.
+
 Nothing here knows chess: any list of texts and any Hugging Face tokenizer will do.
 """
 

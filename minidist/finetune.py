@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 -m minidist.finetune          # laptop: tiny Llama, 2 CPU ranks
     python -m minidist.finetune --max_steps 5                  # one process
     torchrun ... -m minidist.finetune --save_steps 50 --resume # checkpoints; go on after a kill (state.py)
+    torchrun ... -m minidist.finetune --pack                   # whole games packed into rows, no padding between (packing.py)
     sbatch slurm/chess_finetune.sh                             # CodeLlama-7b on 4 A100s
 
 One loop for every strategy: the strategy (`strategy/`: a data-parallel choice plus the tensor
@@ -23,7 +24,8 @@ batch 4, 2 ranks with batch 2, and 2 ranks with batch 1 and 2 accumulation steps
 same data. They also compute the same gradient, because the loss is normalised by the number of
 target tokens in the whole global batch, not per micro-batch: chess games have different
 lengths, and averaging per micro-batch would weigh a token in a short batch more than one in a
-long batch, differently for every split.
+long batch, differently for every split. With `--pack` the global batch is the same games, dealt
+out to the ranks by tokens and packed into rows (`packing.py`), so the loss is the same too.
 """
 
 import argparse
@@ -320,7 +322,7 @@ def _packing(args, config, env, games: "Games") -> Packing | None:
     tokens, so those are packed as cut)."""
     if not args.pack:
         return None
-    implementation = packing.choose_attention(config, env.device)
+    implementation = packing.choose_attention(config, env.device, half=args.mixed_precision != "fp32")
     eos = games.tokenizer.eos_token_id
     cut = sum(1 for seq in games.sequences if seq[-1] != eos)  # an uncut game ends with EOS (tokenize_games)
     if env.is_main:

@@ -13,7 +13,8 @@ Three things make a packed row train exactly as its games would one at a time:
 2. **A block-diagonal causal mask** (`document_mask`): token i attends to token j only if both
    belong to the same game and j <= i. Resetting the position ids alone is not enough: without the
    mask, a game's tokens attend to the games before it in the row, and its logits change with
-   them (tests/test_packing.py's isolation test fails that way with the mask left out).
+   them (tests/loop/test_packing.py shows both: with the mask, changing one game leaves the
+   others' logits equal bit for bit; with the position ids alone, they change).
 3. **No target crosses a game boundary** (`labels`): the loss compares position t's logits with
    the label at t + 1 (`step.token_loss_sum`), so the label at a game's first token is -100:
    otherwise the last token of the game before it would be taught to predict it. A game of n
@@ -43,8 +44,8 @@ def pack_rows(lengths: list[int], max_seq_length: int) -> list[list[int]]:
 
     The rule: take the games longest first (ties by index, so the result depends on the lengths
     alone), and put each into the first row that still has room for it, or into a new row. It is
-    the classic bin-packing heuristic: never more than 11/9 of the fewest rows possible plus one,
-    and in practice within a row or two of it, with one pass over the rows per game. Games are
+    the classic bin-packing heuristic: never more than 11/9 of the fewest rows possible plus one
+    (Dósa 2007), with one pass over the open rows per game. Games are
     placed whole, never cut across rows: a cut game would lose the context of its first half, and
     its second half would start at a position it never has in generation. A game longer than
     `max_seq_length` cannot be placed (`tokenize_games` truncates every game to it first)."""
@@ -67,7 +68,8 @@ def balance_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
     """The indices of the games each data-parallel rank computes, about the same number of tokens
     on each: the longest game first (ties by index), each to the rank with the fewest tokens so far
     (ties: the lowest rank). A rank at a collective waits for the slowest; greedy this way, no rank
-    holds more than the mean plus one game. Deterministic, so every rank computes every rank's share
+    holds more than the mean plus one game's tokens (the game that made it the largest went to it
+    while it held the fewest). Deterministic, so every rank computes every rank's share
     without communication."""
     shares, tokens = [[] for _ in range(world_size)], [0] * world_size
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -181,13 +183,14 @@ def attention_path(attn_implementation: str | None) -> str:
     return path
 
 
-def choose_attention(config, device: torch.device) -> str:
+def choose_attention(config, device: torch.device, half: bool) -> str:
     """The attention a packed run uses, switched in the model's `config` where it helps (transformers
-    reads `config._attn_implementation` at every forward): on a GPU with flash-attention 2 installed,
-    its variable-length kernel, which never builds the mask; otherwise the model's own, SDPA with the
+    reads `config._attn_implementation` at every forward): on a GPU with flash-attention 2 installed
+    and a half-precision compute dtype (`half`: flash-attention computes in bf16 or fp16 only), its
+    variable-length kernel, which never builds the mask; otherwise the model's own, SDPA with the
     mask materialised (rows x s x s booleans per micro-batch)."""
     current = config._attn_implementation or "sdpa"
-    if device.type == "cuda" and current == "sdpa":
+    if device.type == "cuda" and half and current == "sdpa":
         from transformers.utils import is_flash_attn_2_available
 
         if is_flash_attn_2_available():
@@ -202,4 +205,4 @@ def describe_attention(implementation: str) -> str:
         return (f"--pack: {implementation}, variable-length: the games found from the position ids, each micro-batch's "
                 f"rows flattened into one, no mask built")
     return ("--pack: sdpa with a block-diagonal causal mask of rows x s x s booleans per micro-batch (flash-attention "
-            "2 on a GPU would need none: it is not installed, or this is not a GPU)")
+            "2 would need none: it takes a GPU, bf16 or fp16, and the flash_attn package)")
