@@ -181,6 +181,25 @@ def test_a_step_keeps_every_game_once_balanced_and_the_same_micro_batches_on_eve
     assert counts["real_tokens"] == sum(real) and counts["padded_tokens"] == sum(counted) - sum(real)
 
 
+@pytest.mark.parametrize("pack", [None, Packing(max_seq_length=96)], ids=["padded", "packed"])
+def test_the_records_token_counts_are_the_positions_the_ranks_compute(games, pack):
+    """`step_token_counts`, which metrics.jsonl records without building a tensor, against the
+    micro-batches every rank builds: real tokens (labels or not, every game's own) and padding,
+    with sequence parallelism's rounding to a multiple of 4."""
+    tokenizer, sequences = games
+    sampler = GlobalBatchSampler(len(sequences), 8, seed=2)
+    real = total = 0
+    for rank in range(2):
+        batches, _ = assemble_micro_batches(sampler, sequences, 1, rank, 2, 2, tokenizer.pad_token_id,
+                                            torch.device("cpu"), multiple=4, pack=pack)
+        for b in batches:
+            total += b["input_ids"].numel()
+            real += int((b["document_ids"] != 0).sum()) if pack else int(b["attention_mask"].sum())
+    counts = step_token_counts(sampler, sequences, 1, 2, 2, multiple=4, pack=pack)
+    assert counts["real_tokens"] == real == sum(len(sequences[i]) for i in sampler.global_batch(1))
+    assert counts["padded_tokens"] == total - real and counts["padding_share"] == (total - real) / total
+
+
 def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(tiny_model, games):
     tokenizer, _ = games
     model = models.load_model(tiny_model)
