@@ -85,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_seq_length", type=int, default=128)
     p.add_argument("--pack", action="store_true",
                    help="pack whole games into rows of --max_seq_length tokens, each game attending to itself alone "
-                        "(packing.py), instead of padding every game to the longest of its micro-batch")
+                        "(packing.py), instead of padding every game to the longest of its micro-batch; a step still "
+                        "trains on the same global batch of games, dealt out to the ranks by tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/chess")
     p.add_argument("--log_every", type=int, default=1)
