@@ -1,8 +1,9 @@
 """Sequence packing: several whole games in one row, a block-diagonal causal mask between them.
 
 Right padding (`batches.collate`) pads every game of a micro-batch to the longest one. Chess games
-vary (the bundled ones: median 85 tokens, longest 201), so about half of a batch's tokens are
-padding, and every rank computes attention, the MLPs and the logits over them. Packing puts games
+vary in length, so a large share of a batch's tokens are padding (metrics.jsonl's `padding_share`
+says how much, step by step), and every rank computes attention, the MLPs and the logits over
+them. Packing puts games
 end to end in rows of at most `--max_seq_length` tokens instead, and pads only what is left at the
 end of each row.
 
@@ -23,9 +24,10 @@ Three things make a packed row train exactly as its games would one at a time:
 
 `document_ids` say which game of its row each token belongs to: 1 for the row's first game, 2 for
 its second, ..., and 0 for padding. Padding tokens attend to themselves only: a query row of the
-mask with no True in it would be a softmax over nothing, NaN in SDPA, and the NaN would reach the
-real tokens' gradients through the attention's backward. Their labels are -100, so they add
-neither loss nor gradient.
+mask with no True in it would be a softmax over nothing, 0/0 in the formula, and what a kernel
+returns for it is the kernel's choice (PyTorch 2.13's CPU SDPA returns zeros); a padding token
+that sees itself is defined in every kernel. Their labels are -100, so they add neither loss nor
+gradient.
 
 On a GPU with flash-attention installed the mask need not exist at all: transformers finds the
 games from the position ids (each reset to 0 starts one) and calls flash-attention's variable-
@@ -45,8 +47,8 @@ def pack_rows(lengths: list[int], max_seq_length: int) -> list[list[int]]:
     The rule: take the games longest first (ties by index, so the result depends on the lengths
     alone), and put each into the first row that still has room for it, or into a new row. It is
     the classic bin-packing heuristic: never more than 11/9 of the fewest rows possible plus one
-    (Dósa 2007), with one pass over the open rows per game. Games are
-    placed whole, never cut across rows: a cut game would lose the context of its first half, and
+    (Dósa 2007), with one pass over the open rows per game. Games are placed whole, never cut
+    across rows: a cut game would lose the context of its first half, and
     its second half would start at a position it never has in generation. A game longer than
     `max_seq_length` cannot be placed (`tokenize_games` truncates every game to it first)."""
     if any(n > max_seq_length for n in lengths):
@@ -113,7 +115,7 @@ def collate_packed(rows: list[list[list[int]]], pad_token_id: int, multiple: int
     """Rows of games (each a list of token id lists) as one micro-batch, right-padded to the longest
     row, rounded up to a multiple of `multiple` (sequence parallelism cuts the sequence into equal
     chunks). `rows == []` gives one empty row: a micro-batch of padding alone, which adds nothing to
-    the loss or the gradients, for a rank with fewer rows than micro-batches (`micro_batches`).
+    the loss or the gradients, for a rank with fewer rows than micro-batches (`layout`).
 
     Returns `input_ids`, `labels` (-100 on padding and on every game's first token: module doc),
     `position_ids` (from 0 in each game, 0 on padding), `document_ids` (module doc) and
@@ -168,13 +170,14 @@ def token_counts(micro_batches_by_rank: list[list[tuple[int, int]]]) -> dict:
     return {"real_tokens": real, "padded_tokens": total - real, "padding_share": (total - real) / total if total else 0.0}
 
 
-ATTENTION_PATHS = {"sdpa": "mask", "flash_attention_2": "varlen", "flash_attention_3": "varlen"}
+ATTENTION_PATHS = {"sdpa": "mask", "flash_attention_2": "varlen"}
 
 
 def attention_path(attn_implementation: str | None) -> str:
     """How a model with this attention implementation takes packed rows: "mask" (SDPA with the
-    4-D boolean mask) or "varlen" (flash-attention from the position ids). Any other (eager adds
-    the mask to its scores as numbers; flex attention wants a block mask) raises ValueError."""
+    4-D boolean mask) or "varlen" (flash-attention 2 from the position ids). Any other raises
+    ValueError: eager attention adds the mask to its scores as numbers, and the others are not
+    checked here."""
     path = ATTENTION_PATHS.get(attn_implementation or "sdpa")
     if path is None:
         raise ValueError(f"--pack needs an attention that takes a block-diagonal mask (sdpa) or packed position "
