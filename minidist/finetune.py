@@ -307,23 +307,23 @@ def _check(args, env, session: Session):
 
 
 def _check_pack(args) -> None:
-    """What `--pack` cannot do, each in one line (a ValueError): an attention that cannot take the mask
-    (eager adds it to its scores as numbers), and PyTorch's pipeline, whose stages take one 2-D
-    attention mask of fixed shape (`pipeline/reference.py`)."""
+    """What `--pack` cannot do, in one line (a ValueError): an attention that cannot take the mask
+    (eager adds it to its scores as numbers)."""
     packing.attention_path(models.build_on_meta(args.model).config._attn_implementation)
-    if args.pp_size > 1 and args.impl == "torch":
-        raise ValueError("--pack with PyTorch's pipeline (--impl torch --pp_size) has not been built: its stages take "
-                         "a 2-D attention mask; use --impl minidist for the pipeline, or train without --pack")
 
 
 def _packing(args, config, env, games: "Games") -> Packing | None:
     """With `--pack`: how the batches are packed, and two lines at the start (rank 0): the attention
     path (`packing.choose_attention`: flash-attention's varlen on a GPU that has it) and how many
     games `tokenize_games` cut to --max_seq_length (a row holds whole games of at most that many
-    tokens, so those are packed as cut)."""
+    tokens, so those are packed as cut). Flash-attention's varlen rows with PyTorch's pipeline are
+    refused in one line: its stages cut the step's batch into micro-batches by rows."""
     if not args.pack:
         return None
     implementation = packing.choose_attention(config, env.device, half=args.mixed_precision != "fp32")
+    if packing.ATTENTION_PATHS[implementation] == "varlen" and args.pp_size > 1 and args.impl == "torch":
+        raise UsageError("--pack with flash-attention and PyTorch's pipeline has not been built: its stages cut one "
+                         "batch into equal micro-batches by rows, and varlen's are one row each; use --impl minidist")
     eos = games.tokenizer.eos_token_id
     cut = sum(1 for seq in games.sequences if seq[-1] != eos)  # an uncut game ends with EOS (tokenize_games)
     if env.is_main:

@@ -222,13 +222,6 @@ def test_pack_refuses_an_attention_that_cannot_take_the_mask(tiny_model, tmp_pat
     assert code == 2 and "--pack needs an attention" in line and "this model's is eager" in line, line
 
 
-def test_pack_with_pytorchs_pipeline_is_refused_in_one_line(tiny_model, tmp_path, capsys):
-    code, line = run_here_in_one_line(["--model", tiny_model, "--pack", "--impl", "torch", "--strategy", "fsdp",
-                                       "--pp_size", "2", "--max_steps", "1", "--eval_prefixes", "0",
-                                       "--output_dir", str(tmp_path / "out")], capsys)
-    assert code == 2 and "--pack with PyTorch's pipeline" in line, line
-
-
 @pytest.mark.slow  # three runs of the loop
 def test_a_packed_run_resumes_exactly(tiny_model, tmp_path, monkeypatch, capsys):
     """A step's batch with --pack is the sampler's global batch of games, packed: a run stopped after

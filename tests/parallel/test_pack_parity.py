@@ -4,7 +4,8 @@ Each run trains a few steps of the tiny Llama through the training script's comm
 `--pack`, all in one launch of 2 ranks (as test_fast_parity.py: a start-up costs more than a run):
 DDP, ZeRO-2 and FSDP by hand, PyTorch's FSDP2, tensor parallelism 2 by hand with sequence parallelism
 (the residual stream cut into chunks of the sequence, gathered for attention, which takes the whole
-row's mask and position ids), PyTorch's tensor parallelism 2, and a pipeline of 2 stages.
+row's mask and position ids), PyTorch's tensor parallelism 2, and a pipeline of 2 stages, by hand
+and PyTorch's.
 The games are short ones (fewer than 60 moves) in rows of 96 tokens, so that rows hold two games
 or more. With 4 games a step, some micro-batches hold no game and run one row of padding
 (`packing.layout`): ZeRO-2's second on each rank at steps 1 and 3, and the pipeline's last one or two
@@ -41,6 +42,9 @@ STRATEGIES = {  # name -> the flags that choose it, 2 ranks, a global batch of 4
     # 1F1B over 4 micro-batches on the one data-parallel rank, of which 1 or 2 are empty each step
     "pp": ["--impl", "minidist", "--strategy", "ddp", "--pp_size", "2", "--batch_size_per_device", "1",
            "--gradient_accumulation_steps", "4"],
+    # PyTorch's 1F1B on the same stages: its micro-batches brought to one shape (pipeline/reference.py)
+    "pp_torch": ["--impl", "torch", "--strategy", "fsdp", "--pp_size", "2", "--batch_size_per_device", "1",
+                 "--gradient_accumulation_steps", "4"],
 }
 
 

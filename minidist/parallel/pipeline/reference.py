@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from minidist import packing
 from minidist.parallel.pipeline import schedules
 
 
@@ -85,8 +86,9 @@ class StageModule(nn.Module):
         super().__init__()
         self.stage = stage
 
-    def forward(self, crossing: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        batch = {"attention_mask": attention_mask, "labels": labels}
+    def forward(self, crossing: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        batch = {"attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
         if self.stage.is_first:
             return self.stage(None, {"input_ids": crossing, **batch})
         return self.stage(crossing, batch)
@@ -131,8 +133,9 @@ class TorchExecutor:
         inputs = (batch["input_ids"],) if self.stage.is_first else ()
         target = batch["labels"] if self.stage.is_last else None
         # PyTorch cuts the concatenated batch back into the m micro-batches (equal rows: the same cut).
+        packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}  # `--pack`'s rows
         self.schedule.step(*inputs, target=target, return_outputs=False, attention_mask=batch["attention_mask"],
-                           labels=batch["labels"])
+                           labels=batch["labels"], **packed)
         return self.loss_sum
 
     def loss_fn(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -162,6 +165,8 @@ class TorchExecutor:
 def padded(micro_batches: list[dict]) -> dict:
     """The micro-batches right-padded to the longest and concatenated by rows: PyTorch's stage needs
     one shape for every micro-batch of a step (module doc). Padding adds no loss and no gradient."""
+    if "document_ids" in micro_batches[0]:
+        return _padded_packed(micro_batches)
     rows = {len(batch["input_ids"]) for batch in micro_batches}
     if len(rows) > 1:
         raise ValueError(f"PyTorch's pipeline needs micro-batches of equal rows, not {sorted(rows)}")
@@ -170,3 +175,17 @@ def padded(micro_batches: list[dict]) -> dict:
     return {key: torch.cat([F.pad(batch[key], (0, tokens - batch[key].shape[1]), value=value)
                             for batch in micro_batches])
             for key, value in fill.items()}
+
+
+def _padded_packed(micro_batches: list[dict]) -> dict:
+    """Packed micro-batches (`packing.py`, `--pack`), which hold different numbers of rows, brought
+    to one shape: rows of padding added (document 0, labels -100), every row right-padded to the
+    longest, then concatenated by rows; the block-diagonal mask is made again from the padded
+    document ids, so that each padding position sees itself alone. Padding adds no loss and no gradient."""
+    rows = max(len(batch["input_ids"]) for batch in micro_batches)
+    tokens = max(batch["input_ids"].shape[1] for batch in micro_batches)
+    fill = {"input_ids": 0, "labels": -100, "position_ids": 0, "document_ids": packing.PADDING}
+    batch = {key: torch.cat([F.pad(b[key], (0, tokens - b[key].shape[1], 0, rows - len(b[key])), value=value)
+                             for b in micro_batches])
+             for key, value in fill.items()}
+    return {**batch, "attention_mask": packing.document_mask(batch["document_ids"])}
