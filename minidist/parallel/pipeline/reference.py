@@ -38,7 +38,9 @@ micro-batch (activations and gradients), at the shape it was told: the micro-bat
 must all have it. The loop collates each micro-batch to its own longest sequence, so this executor
 right-pads every micro-batch of a step to the step's longest (attention mask 0, labels -100: no
 loss, no gradient, and the real tokens' positions unchanged), and builds a new stage and schedule
-when that shape changes from the last step's (and so votes again).
+when that shape changes from the last step's (and so votes again). Packed micro-batches (`--pack`),
+whose numbers of rows differ, also get rows of padding, and their mask is made again from the
+padded document ids (`_padded_packed`).
 
 **1F1B needs m >= p in PyTorch.** `Schedule1F1B` refuses fewer micro-batches than stages, where
 the hand-written table caps its warm-up (`schedules.py`); with m < p its first stages run every
