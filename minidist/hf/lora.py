@@ -37,6 +37,7 @@ MB instead of 13.5 GB: `PeftModel.from_pretrained(base, folder)` loads it onto t
 """
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -89,8 +90,10 @@ def check(options: LoraOptions, name_or_path: str | None = None) -> None:
         return
     if options.rank < 1:
         raise ValueError(f"--lora_rank must be at least 1, got {options.rank} (leave it out for a full fine-tune)")
-    if options.alpha is not None and not options.alpha > 0:
-        raise ValueError(f"--lora_alpha must be more than 0, got {options.alpha}")
+    if options.alpha is not None and not (options.alpha > 0 and math.isfinite(options.alpha)):
+        # peft takes any number; an infinite scale times the zero-initialised B is nan in the first forward
+        raise ValueError(f"--lora_alpha must be more than 0 and finite, got {options.alpha}; leave it out "
+                         f"(alpha = 2 x --lora_rank: {2 * options.rank} here) or pass a positive number")
     if options.dropout is not None and not 0 <= options.dropout < 1:
         raise ValueError(f"--lora_dropout must be in [0, 1), got {options.dropout}")
     if not targets(options):

@@ -18,6 +18,13 @@ matter:
   `torch.distributed.elastic.multiprocessing.errors`). Every failing rank writes the line there,
   in that module's format, so the summary's "Root Cause" is the line, not "To enable traceback
   see ...".
+- **The others follow in silence.** A mistake only one rank meets (rank 0 alone writes
+  `metrics.jsonl`: a full disk there) ends that rank while the others wait in a collective for it;
+  its exit closes their connections, and gloo raises "Connection closed by peer" in each. That
+  error only repeats the one already told, so a rank whose command fails after another rank has
+  printed its line (every rank that prints sets a key in the group's store before it exits) exits
+  with status 2 and prints nothing; its torchelastic error file says why it stopped. A failure with
+  no line printed before it is a bug, and stays a traceback.
 """
 
 import argparse
@@ -29,6 +36,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 _SAID = "minidist/usage_error_printed"  # the key rank 0 sets in the process group's store
+_TOLD = "minidist/a_rank_printed_its_line"  # the key every rank that printed sets (the others follow quietly)
 WAIT_FOR_RANK_0_S = 5.0
 
 
@@ -85,31 +93,64 @@ def _rank_0_has_printed() -> bool:
         return time.monotonic() - start < WAIT_FOR_RANK_0_S * 0.9
 
 
+def _set(*keys: str) -> None:
+    """Set `keys` in the process group's store, if there is one."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        for key in keys:
+            store.set(key, "1")
+    except Exception:
+        pass  # a store that is gone has nobody waiting on it
+
+
+def _a_rank_has_printed() -> bool:
+    """Has a rank of this group printed its one line already? Asked without waiting; no store
+    (no group, or a store that left with its rank) means no."""
+    store = _store()
+    if store is None:
+        return False
+    try:
+        return store.check([_TOLD])
+    except Exception:
+        return False
+
+
 def fail(prog: str, message, usage: str = ""):
     """Say `prog: error: message` once (rank 0), record it for torchrun, and exit with status 2."""
     line = f"{prog}: error: {message}"
     record_for_torchrun(line)
     if _rank() == 0:
         print(usage + line, file=sys.stderr, flush=True)
-        store = _store()
-        if store is not None:
-            try:
-                store.set(_SAID, "1")
-            except Exception:
-                pass  # a store that is gone has nobody waiting on it
+        _set(_SAID, _TOLD)  # before this rank exits, and its exit breaks the others' collectives
     elif not _rank_0_has_printed():
         print(line, file=sys.stderr, flush=True)
+        _set(_TOLD)
+    sys.exit(2)
+
+
+def follow(prog: str):
+    """Exit with status 2 without a word: another rank has told the learner why the run stops, and
+    this rank's own failure (a collective whose peer left) follows from it. torchrun's summary
+    lists this rank with the reason, under the other rank's line."""
+    record_for_torchrun(f"{prog}: rank {_rank()} stopped because another rank stopped (its line is printed above)")
     sys.exit(2)
 
 
 @contextmanager
 def one_line_errors(prog: str, *also: type[BaseException]):
     """Run a command's body: a UsageError (and the classes in `also`, where the command knows they
-    can only mean bad input) ends as one line and exit status 2 (`fail`)."""
+    can only mean bad input) ends as one line and exit status 2 (`fail`). Any other failure after
+    another rank printed its line ends this rank quietly (`follow`); else it is raised."""
     try:
         yield
     except (UsageError, *also) as err:
         fail(prog, err)
+    except Exception:
+        if not _a_rank_has_printed():
+            raise  # nobody has said why: a bug, and its traceback
+        follow(prog)
 
 
 class ArgumentParser(argparse.ArgumentParser):

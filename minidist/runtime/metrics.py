@@ -52,7 +52,7 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
             os.fsync(self.file.fileno())
-        except OSError as err:  # a full disk: one line (rank 0 writes this; torchrun then ends the others)
+        except OSError as err:  # a full disk: one line (rank 0 writes this; the others follow quietly: errors.py)
             raise UsageError(f"could not write {self.file.name}: {err.strerror}; free some space and run again "
                              f"with --resume") from err
         if self.board:

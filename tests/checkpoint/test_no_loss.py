@@ -166,6 +166,29 @@ def test_a_full_disk_at_the_final_model_gives_one_line_and_leaves_no_half_writte
     assert not (out / "model").exists() and not (out / "model.tmp").exists()
 
 
+def test_a_full_disk_under_torchrun_is_one_line_and_the_other_rank_stops_quietly(args, tmpfs, tmp_path):
+    """Rank 0 alone writes metrics.jsonl: on a full disk it stops in one line while rank 1 waits in
+    the step's stop vote, whose connection then closes. Rank 1 follows without a traceback.
+
+    One 4 KiB page: the run's lock takes it, and step 1's record does not fit. torchrun tees each
+    rank's stderr to a file of its own (--log-dir), so what each rank wrote is read apart from
+    torchrun's summary (a traceback of its own, ChildFailedError, whenever a rank fails)."""
+    out, logs = tmpfs("one-page", "size=4k"), tmp_path / "logs"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--log-dir", str(logs), "--tee", "2", "-m", "minidist.finetune",
+                           *args(out / "run", "--batch_size_per_device", "2", "--strategy", "ddp")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    line = (f"minidist.finetune: error: could not write {out / 'run' / 'metrics.jsonl'}: No space left on device; "
+            f"free some space and run again with --resume")
+    printed, summary = done.stderr.split("Root Cause")  # torchrun's summary names the line as the root cause
+    assert done.returncode != 0 and printed.count(line) == 1 and f"traceback : {line}" in summary, done.stderr
+    ranks = {int(path.parent.name): path.read_text() for path in logs.glob("*/attempt_0/*/stderr.log")}
+    assert sorted(ranks) == [0, 1], done.stderr
+    assert line in ranks[0].splitlines() and "Traceback" not in ranks[0], ranks[0]
+    assert "Traceback" not in ranks[1] and "error" not in ranks[1].lower(), ranks[1]
+
+
 def test_a_non_finite_loss_stops_the_run_and_never_replaces_a_good_checkpoint(args, tmp_path, capsys):
     out = tmp_path / "huge-lr"
     # Step 1's update moves every weight by about 1e30 (Adam): still finite, saved; step 2's loss is nan.

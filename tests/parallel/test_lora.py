@@ -262,7 +262,14 @@ def test_the_saved_adapter_loads_with_peft_and_gives_the_same_logits(tiny_model,
     (["--lora_rank", "0"], "--lora_rank must be at least 1, got 0"),
     (["--lora_rank", "-2"], "--lora_rank must be at least 1, got -2"),
     (["--lora_rank", "4", "--lora_alpha", "0"], "--lora_alpha must be more than 0"),
+    (["--lora_rank", "4", "--lora_alpha", "-1"], "--lora_alpha must be more than 0"),
+    # A scale of inf / 4 makes every adapted layer's output inf: refused, not trained into a divergence.
+    (["--lora_rank", "4", "--lora_alpha", "inf"], "--lora_alpha must be more than 0 and finite, got inf; leave it out "
+                                                  "(alpha = 2 x --lora_rank: 8 here) or pass a positive number"),
+    (["--lora_rank", "4", "--lora_alpha", "nan"], "--lora_alpha must be more than 0 and finite, got nan"),
     (["--lora_rank", "4", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1)"),
+    (["--lora_rank", "4", "--lora_dropout", "nan"], "--lora_dropout must be in [0, 1), got nan"),
+    (["--lora_rank", "inf"], "argument --lora_rank: invalid int value: 'inf'"),
     (["--lora_alpha", "8"], "--lora_alpha needs --lora_rank"),
     (["--lora_rank", "4", "--lora_target_modules", "q_proj,c_attn"], "has no linear layer named c_attn"),
 ])
