@@ -128,9 +128,12 @@ def token_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     """The summed next-token cross-entropy of a micro-batch (not the mean: see module doc)."""
     with strategy.autocast():
         # use_cache=False: a key/value cache only helps generation; in training it is dead memory.
-        # Packed rows (`packing.py`) bring their own position ids, from 0 in each game; else None: 0..s-1.
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch.get("position_ids"), use_cache=False).logits
+        # Packed rows (`packing.py`) bring their own position ids, from 0 in each game; a padded batch
+        # passes none (the model counts 0..s-1), so any model that takes input_ids and a mask will do
+        # (the exercises' TinyLM takes no position ids).
+        packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                       **packed).logits
     # Position t predicts token t+1; padding carries the label -100 and is ignored. The softmax
     # over the vocabulary runs in at least fp32: bf16 logits would round the loss visibly.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
