@@ -12,14 +12,16 @@ Three details make this reliable:
   the caller's threads' locks (torch's thread pools, a notebook's kernel threads) in whatever
   state they were, and can deadlock. So on Linux the ranks come from multiprocessing's
   ``forkserver``: a clean, single-threaded process, started once (per notebook kernel, per test
-  session), that has imported torch and run nothing else, and forks a child per rank. (macOS and
+  session), that has imported torch and the libraries a run needs (``_PRELOAD``, not minidist)
+  and run nothing else, and forks a child per rank. (macOS and
   Windows keep ``spawn``, a fresh interpreter per rank: see ``_START_METHOD``.) Either way the
   child *imports* the worker function by name, which is why the function must live in an
   importable ``.py`` module, not a notebook cell. Why not a fresh interpreter per rank on Linux
   too? Each would import torch again: 3 to 3.5 s of CPU per rank; on a shared 2-core
   machine a 2-rank launch of a worker that does nothing took 21 to 24 s that way, 0.9 s from the
   server. The child takes the caller's environment as it is at ``launch`` (the server's is from
-  when it started), so a variable set in a notebook cell reaches the ranks as it would reach a fresh interpreter.
+  when it started), so a variable set in a notebook cell reaches the ranks as it would reach a fresh
+  interpreter; a variable a preloaded library reads when imported (``HF_HOME``) restarts the server.
 - *one pipe per rank, watched together with the processes.* The parent waits on all pipes at
   once (``multiprocessing.connection.wait``), reading each message as soon as it arrives, so a
   child sending a large result never blocks on a full pipe; a child that dies without a word
@@ -45,15 +47,22 @@ from multiprocessing.connection import wait
 from minidist.runtime.allocator import tunables_for_new_processes
 from minidist.runtime.distributed import cleanup, find_free_port, init_distributed
 
-# What the fork server imports once for every rank: torch alone. Not transformers: huggingface_hub
-# reads HF_HOME and HF_HUB_OFFLINE when imported, and a server started before a cell changes them
-# would hand every later rank the old values.
-_PRELOAD = ["torch", "torch.distributed"]
+# What the fork server imports once for every rank: the libraries a training run needs, never
+# minidist itself (a learner who edits minidist/ between two launches must see the edit, so each rank
+# imports minidist afresh). On 2 cores, a 2-rank launch of one short fine-tune took 6.0 s with torch
+# alone preloaded and 1.5 s with these (tokenizer, Llama and PyTorch's sharding and checkpoint modules
+# no longer imported by every rank). Importing them starts no thread, so forking after is safe.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
+            "torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama"]
+# Hugging Face's libraries read these when imported (huggingface_hub: HF_HOME, HF_HUB_OFFLINE, ...),
+# so the server must be started again when the caller has changed one since it started (a notebook
+# cell that sets HF_HUB_OFFLINE): else every later rank would see the old values.
+_READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "XDG_CACHE_HOME")
 # Linux only: Windows has no fork, and on macOS forking a process that loaded Apple's frameworks
 # (torch does) is unsafe, which is why Python spawns there by default. Those keep spawn.
 _START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
 _GRACE_S = 5.0  # how long a terminated (or finished) rank gets before we kill it
-_server_tunables: tuple | None = None  # (GLIBC_TUNABLES,) the fork server was started with; None: not yet
+_server_started_with: tuple | None = None  # (GLIBC_TUNABLES, _READ_AT_IMPORT's variables) of the fork server; None: not yet
 
 
 class RankFailed(RuntimeError):
@@ -144,7 +153,7 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
     ctx = multiprocessing.get_context(_START_METHOD)
     if _START_METHOD == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first launch
-        _fork_server_with(tunables_for_new_processes(os.environ))
+        _fork_server_with(tunables_for_new_processes(os.environ), _read_at_import(os.environ))
     port = find_free_port()
     procs, readers = [], {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -174,13 +183,19 @@ def launch(fn, world_size: int, *args, timeout_s: float | None = None, nodes: in
             reader.close()
 
 
-def _fork_server_with(tunables: str | None) -> None:
+def _read_at_import(environ) -> tuple:
+    """The variables of `environ` that the preloaded libraries read when imported, sorted."""
+    return tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_READ_AT_IMPORT)))
+
+
+def _fork_server_with(tunables: str | None, read_at_import: tuple = ()) -> None:
     """Start the fork server with `tunables` as its GLIBC_TUNABLES (the tcache off: `allocator.py`), or
-    restart it if it runs with others (MINIDIST_GLIBC_DEFAULTS changed since it started). glibc reads
-    the variable when a program starts, and the ranks are forked from the server: so it is the
-    server's. The caller's own environment is left as it was."""
-    global _server_tunables
-    if _server_tunables == (tunables,):
+    restart it if it runs with others (MINIDIST_GLIBC_DEFAULTS changed since it started) or imported
+    its libraries under other `read_at_import` variables (`_READ_AT_IMPORT`). glibc reads the variable
+    when a program starts, and the ranks are forked from the server: so it is the server's. The
+    caller's own environment is left as it was."""
+    global _server_started_with
+    if _server_started_with == (tunables, read_at_import):
         return
     forkserver._forkserver._stop()  # a private method (CPython's own tests use it); no-op if none runs
     before = os.environ.pop("GLIBC_TUNABLES", None)
@@ -192,7 +207,7 @@ def _fork_server_with(tunables: str | None) -> None:
         os.environ.pop("GLIBC_TUNABLES", None)
         if before is not None:
             os.environ["GLIBC_TUNABLES"] = before
-    _server_tunables = (tunables,)
+    _server_started_with = (tunables, read_at_import)
 
 
 def _check_launchable(fn, world_size: int, nodes: int) -> None:

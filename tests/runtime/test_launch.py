@@ -58,6 +58,15 @@ def test_the_ranks_see_the_callers_environment_as_it_is_at_launch(monkeypatch):
     assert launch(workers.environment, 1, ["MINIDIST_PROBE"])[0]["MINIDIST_PROBE"] is None  # unset is unset
 
 
+def test_a_variable_the_preloaded_libraries_read_at_import_reaches_them(monkeypatch, tmp_path):
+    """The fork server imports transformers (and so huggingface_hub) once, for every rank: HF_HOME
+    set after it started must restart it, or the ranks would keep the old cache folder."""
+    launch(workers.hub_home, 1)  # the server is running from here on
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hub"))
+    for rank in launch(workers.hub_home, 2):
+        assert rank == {"HF_HOME": str(tmp_path / "hub"), "preloaded": True}
+
+
 # ---- launch: failures -----------------------------------------------------------------
 
 

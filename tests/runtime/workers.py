@@ -35,6 +35,17 @@ def environment(names):
     return {**{name: os.environ.get(name) for name in names}, "threads": torch.get_num_threads()}
 
 
+def hub_home():
+    """The cache folder huggingface_hub took from HF_HOME when it was imported, and whether that
+    import happened before this rank existed (in the fork server: `launch._PRELOAD`)."""
+    import sys
+
+    preloaded = "huggingface_hub.constants" in sys.modules
+    from huggingface_hub import constants
+
+    return {"HF_HOME": constants.HF_HOME, "preloaded": preloaded}
+
+
 def fail_on_rank_1(pid_dir):
     """Rank 1 raises; rank 0 waits for it in an all_reduce; rank 2 (if any) is busy elsewhere
     and would never notice on its own, so only launch() stopping it ends the run."""
