@@ -34,6 +34,7 @@ Three details make this reliable:
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -78,6 +79,10 @@ def _worker(rank, world_size, port, environ, conn, fn, args, kwargs, nodes=1):
     # The caller's environment at launch(), not the fork server's (from when the server started).
     os.environ.clear()
     os.environ.update(environ)
+    # Everything the server preloaded lives as long as the rank does: set it aside from the cycle
+    # collector, whose full passes (the loop's memory trace and `cleanup` run one) would otherwise
+    # walk all of transformers' and torch's objects each time, 0.15 s a pass on 2 cores.
+    gc.freeze()
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         # OpenMP read the variable when the server loaded torch; a value set since must be applied.
         import torch

@@ -67,6 +67,12 @@ def test_a_variable_the_preloaded_libraries_read_at_import_reaches_them(monkeypa
         assert rank == {"HF_HOME": str(tmp_path / "hub"), "preloaded": True}
 
 
+def test_the_collector_leaves_the_preloaded_libraries_alone_in_a_rank():
+    """What the server imported lives as long as the rank: frozen, so that a full collection (the
+    memory trace's, `cleanup`'s) does not walk torch's and transformers' objects every time."""
+    assert all(count > 100_000 for count in launch(workers.frozen_objects, 2))
+
+
 # ---- launch: failures -----------------------------------------------------------------
 
 

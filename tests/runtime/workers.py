@@ -46,6 +46,13 @@ def hub_home():
     return {"HF_HOME": constants.HF_HOME, "preloaded": preloaded}
 
 
+def frozen_objects() -> int:
+    """How many objects the cycle collector leaves alone in this rank (`gc.freeze`)."""
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def fail_on_rank_1(pid_dir):
     """Rank 1 raises; rank 0 waits for it in an all_reduce; rank 2 (if any) is busy elsewhere
     and would never notice on its own, so only launch() stopping it ends the run."""
