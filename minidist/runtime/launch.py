@@ -51,8 +51,8 @@ from minidist.runtime.distributed import cleanup, find_free_port, init_distribut
 # What the fork server imports once for every rank: the libraries a training run needs, never
 # minidist itself (a learner who edits minidist/ between two launches must see the edit, so each rank
 # imports minidist afresh). On 2 cores, a 2-rank launch of one short fine-tune took 6.0 s with torch
-# alone preloaded and 1.5 s with these (tokenizer, Llama and PyTorch's sharding and checkpoint modules
-# no longer imported by every rank). Importing them starts no thread, so forking after is safe.
+# alone preloaded and 1.5 s with these (transformers' Llama and PyTorch's sharding and checkpoint
+# modules no longer imported by every rank). Importing them starts no thread, so forking after is safe.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
             "torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama"]
 # Hugging Face's libraries read these when imported (huggingface_hub: HF_HOME, HF_HUB_OFFLINE, ...),
