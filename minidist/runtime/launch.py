@@ -51,8 +51,8 @@ from minidist.runtime.distributed import cleanup, find_free_port, init_distribut
 # What the fork server imports once for every rank: the libraries a training run needs, never
 # minidist itself (a learner who edits minidist/ between two launches must see the edit, so each rank
 # imports minidist afresh). On 2 cores, a 2-rank launch of one short fine-tune took 6.0 s with torch
-# alone preloaded and 1.5 s with these (transformers' Llama and PyTorch's sharding and checkpoint
-# modules no longer imported by every rank). Importing them starts no thread, so forking after is safe.
+# alone preloaded (one measurement) and 1.5 to 2.1 s with these (three), transformers' Llama and
+# PyTorch's sharding and checkpoint modules no longer imported by every rank. Importing them starts no thread, so forking after is safe.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
             "torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama"]
 # Hugging Face's libraries read these when imported (huggingface_hub: HF_HOME, HF_HUB_OFFLINE, ...),
@@ -193,7 +193,7 @@ def _read_at_import(environ) -> tuple:
     return tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_READ_AT_IMPORT)))
 
 
-def _fork_server_with(tunables: str | None, read_at_import: tuple = ()) -> None:
+def _fork_server_with(tunables: str | None, read_at_import: tuple) -> None:
     """Start the fork server with `tunables` as its GLIBC_TUNABLES (the tcache off: `allocator.py`), or
     restart it if it runs with others (MINIDIST_GLIBC_DEFAULTS changed since it started) or imported
     its libraries under other `read_at_import` variables (`_READ_AT_IMPORT`). glibc reads the variable
