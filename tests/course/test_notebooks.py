@@ -7,12 +7,6 @@ workers_NN.py lives), with the tiny model cached under pytest's temporary folder
 copy stays in memory: the committed notebook keeps the outputs of a full run (re-run them all with
 the command in notebooks/README.md).
 
-Two notebooks run at a time (`AT_ONCE`), each in its own kernel, from the first test on: much of a
-notebook's time is one thread's (its kernel importing torch and transformers, tracing an estimate,
-drawing a figure), and a second notebook beside it keeps the other core busy. Four of them (lessons
-03, 04, 08 and 12), one after the other and then side by side on this 2-core machine: 84.8 s and
-53.9 s. The kernels share nothing: each has its own process, folder of runs and model cache.
-
 An error inside a widget never reaches nbclient as a cell error: an ipywidgets callback that raises
 prints its traceback into its Output widget, and the cell that drew it still succeeds. What the
 learner sees there, nbclient keeps, as a frontend would, in the widgets' state (`widget_state`, and
@@ -21,19 +15,15 @@ error among them. Then, in the same kernel, it turns each control of the noteboo
 (`CONTROLS`: lesson 00's), as a learner clicking through it would, and checks after every change
 that the calculator's output shows an estimate and no traceback.
 
-Time is reported, not asserted. Each notebook's seconds (kernel start to last cell, sharing the
-cores with the notebook beside it) go into its test report (`record_property`), and
-`tests/conftest.py` prints them all at the end of the session, with `-s` or without. `BUDGET_S` is
-a budget in the benchmark sense: the summary marks a notebook above it, for a person to look into,
-and the test still passes; a loaded machine makes every run slower, and a timed assertion would
-fail there with nothing wrong in the notebook. What does fail is a cell that hangs: nbclient's
-per-cell timeout, `HANG_GUARD_S`, far above any cell's normal time.
+Time is reported, not asserted. Each notebook's seconds go into its test report
+(`record_property`), and `tests/conftest.py` prints them all at the end of the session, with
+`-s` or without. `BUDGET_S` is a budget in the benchmark sense: the summary marks a notebook above
+it, for a person to look into, and the test still passes; a loaded machine makes every run slower,
+and a timed assertion would fail there with nothing wrong in the notebook. What does fail is a
+cell that hangs: nbclient's per-cell timeout, `HANG_GUARD_S`, far above any cell's normal time.
 """
 
-import asyncio
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,10 +35,7 @@ import nbformat
 pytestmark = pytest.mark.slow
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-AT_ONCE = 2  # notebooks executed side by side, one kernel each (module docstring)
-# Seconds per notebook on the 2-core CI machine, kernel start included, beside another notebook:
-# reported, never asserted.
-BUDGET_S = 150
+BUDGET_S = 90  # seconds per notebook on the 2-core CI machine, kernel start included: reported, never asserted
 HANG_GUARD_S = 600  # seconds per cell before nbclient gives up on it: a hang, not a slow machine
 # Notebook -> (the global dict of its interactive controls, its output widget, the text an estimate shows).
 CONTROLS = {"00_memory": ("controls", "output", "peak per rank")}
@@ -97,50 +84,25 @@ def turn_every_control(client: nbclient.NotebookClient, notebook: str) -> list[s
     return names
 
 
-NOTEBOOK_PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-
-
-def execute(path: Path, cache: Path) -> dict:
-    """Run one notebook top to bottom in a kernel of its own, in its small configuration, then turn
-    its calculator's controls (`CONTROLS`); return its seconds, the errors its widgets show and the
-    controls turned. A cell's error raises CellExecutionError, with the cell and its traceback."""
-    asyncio.set_event_loop(asyncio.new_event_loop())  # nbclient drives its kernel from this thread's loop
-    env = {**os.environ, "MINIDIST_SMALL": "1",  # the small configuration
-           "MINIDIST_CACHE": str(cache),  # a model cache of its own, under pytest's temporary folder
-           "MPLBACKEND": "agg"}  # figures are rendered to PNG outputs, no display needed
-    env.pop("MINIDIST_WRITE_FIGURES", None)  # a plain run: the lesson's figures untouched
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom_in_its_small_configuration(path, tmp_path, monkeypatch, record_property):
+    # The kernel inherits this process's environment: small configuration, a private cache.
+    monkeypatch.setenv("MINIDIST_SMALL", "1")
+    monkeypatch.setenv("MINIDIST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MPLBACKEND", "agg")  # figures are rendered to PNG outputs, no display needed
+    monkeypatch.delenv("MINIDIST_WRITE_FIGURES", raising=False)  # a plain run: the lesson's figures untouched
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=HANG_GUARD_S,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
     started = time.perf_counter()
-    with client.setup_kernel(env=env):  # one kernel for the notebook and the controls turned after it
-        client.execute(cleanup_kc=False)
-        done = {"seconds": time.perf_counter() - started, "widget_errors": widget_errors(client), "turned": []}
-        if path.stem in CONTROLS and not done["widget_errors"]:
-            done["turned"] = turn_every_control(client, path.stem)
-    return done
-
-
-@pytest.fixture(scope="module")
-def executed(request, tmp_path_factory):
-    """Notebook name -> a future of `execute`'s result. The notebooks this session selected start on
-    first use, `AT_ONCE` at a time, in order; each test waits for its own."""
-    chosen = sorted({item.callspec.params["path"] for item in request.session.items
-                     if getattr(item, "originalname", "") == "test_notebook_runs_top_to_bottom_in_its_small_configuration"})
-    with ThreadPoolExecutor(AT_ONCE, thread_name_prefix="notebook") as pool:
-        yield {path.stem: pool.submit(execute, path, tmp_path_factory.mktemp(f"{path.stem}-cache")) for path in chosen}
-        pool.shutdown(cancel_futures=True)  # a session cut short starts no more of them
-
-
-@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom_in_its_small_configuration(path, executed, record_property):
-    done = executed[path.stem].result()  # raises the cell's CellExecutionError
-    # For the session's summary (conftest.py): how long it took, against the budget; no assert.
-    record_property("notebook_seconds", done["seconds"])
-    record_property("notebook_budget_s", BUDGET_S)
-    assert not done["widget_errors"], f"{path.stem}: an error inside a widget: {done['widget_errors']}"
-    if path.stem in CONTROLS:
-        assert len(done["turned"]) >= 8  # the calculator's eight controls, each turned
+    with client.setup_kernel():  # one kernel for the notebook and the controls turned after it
+        client.execute(cleanup_kc=False)  # raises CellExecutionError, with the cell and its traceback
+        # For the session's summary (conftest.py): how long it took, against the budget; no assert.
+        record_property("notebook_seconds", time.perf_counter() - started)
+        record_property("notebook_budget_s", BUDGET_S)
+        assert not widget_errors(client), f"{path.stem}: an error inside a widget: {widget_errors(client)}"
+        if path.stem in CONTROLS:
+            assert len(turn_every_control(client, path.stem)) >= 8  # the calculator's eight controls, each turned
 
 
 def test_the_summary_reports_each_notebook_time_and_marks_the_ones_over_budget():
