@@ -23,7 +23,10 @@ CPUs, so that the masks name real cores. Like a site with 40 GB and 80 GB A100 n
 carry a feature each, `gpu40` and `gpu80`, which a job asks for with `--constraint` (or
 `SBATCH_CONSTRAINT`); `gpu80` is the second node's, the one SLURM fills last, so that a job found
 there got there by its constraint more likely than by chance. A requeued job may start again once its credential
-expired: `cred_expire=10` makes that 10 s (the default is 120).
+expired: `cred_expire=10` makes that 10 s (the default is 120). A job's processes take the
+niceness of the command that submitted them (`PropagatePrioProcess=1`: the batch shell sbatch's,
+a step's tasks srun's), so a test can queue work that takes only the cores nothing else wants
+(`sbatch(..., niceness=19)`).
 
 It needs root (slurmd starts jobs as their user) and the Debian/Ubuntu packages `slurmctld
 slurmd slurm-client munge`, which `ensure_installed` installs with apt when missing.
@@ -118,6 +121,7 @@ class Cluster:
             "TaskPlugin=task/affinity", "TaskPluginParam=Cores,Verbose",
             "GresTypes=gpu",
             "JobRequeue=1",
+            "PropagatePrioProcess=1",  # a job runs at the niceness of its sbatch (and a step at its srun's)
             "MinJobAge=3600",  # keep finished jobs visible to `scontrol show job`
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",  # trust the node lines below, not the hardware
@@ -183,10 +187,14 @@ class Cluster:
         return subprocess.run(command, env=kwargs.pop("env", self.env), capture_output=True, text=True,
                               check=check, timeout=60, **kwargs)
 
-    def sbatch(self, script, *args, options=(), env=None, cwd=None) -> int:
+    def sbatch(self, script, *args, options=(), env=None, cwd=None, niceness: int = 0) -> int:
         """Queue a batch script; return its job id. `env` is the environment it runs with (sbatch
-        passes the submitter's on to the job)."""
-        done = self.run("sbatch", "--parsable", *options, str(script), *map(str, args),
+        passes the submitter's on to the job). `niceness` (0 to 19): the job's processes run that
+        much nicer than this one; at 19 a process gets about 1.5% of a core that a process at 0
+        wants, and all of a core that nothing else wants (Linux's scheduler weighs nice 19 at 15
+        and nice 0 at 1024)."""
+        nice = ["nice", "-n", str(niceness)] if niceness else []
+        done = self.run(*nice, "sbatch", "--parsable", *options, str(script), *map(str, args),
                         env={**self.env, **(env or {})}, cwd=cwd)
         return int(done.stdout.strip().split(";")[0])
 

@@ -2,9 +2,17 @@
 
 `tests/cluster/slurm_cluster.py` starts the cluster; CPU ranks on gloo stand in for the GPUs that gres
 hands out. Every script in slurm/ runs through it with the tiny model, 2 steps and short
-sequences. The jobs are all queued at once, at the start of this module, and each test waits for
-its own: the cluster runs them side by side (each node has this machine's cores, one per job),
-which costs far less than one job after the other.
+sequences. Each test waits for its own job, and the cluster runs them side by side (each node has
+this machine's cores, one per job). They are queued in two groups:
+- the background jobs (every lesson script, and those that stop in one line) at the very start of
+  the session: `test_the_background_jobs_are_queued_first` runs before any other test
+  (`tests/cluster/conftest.py` orders it so, and the rest of this module last). They run at
+  niceness `BACKGROUND_NICENESS`, on what the other tests leave of the cores: on CI's 2 cores the
+  rest of the suite keeps them busy about 80% of the time (a serial run measured with
+  /proc/stat), enough for these jobs' ~800 CPU seconds, which one after the other took 7 minutes;
+- the jobs whose test sends a signal or waits for SLURM's clock (a time limit, a warning, a
+  requeue), when the first of their tests runs: at full priority, so that a busy machine does not
+  move what they test.
 
 What only a real SLURM shows, and these tests hold the scripts to:
 - sbatch runs a copy of the script from slurmd's spool folder: the jobs are submitted from a
@@ -96,9 +104,13 @@ VENV_BIN = Path(sys.executable).parent
 # that would end the job, so the hook must be sourced with it off.
 SITE_FILE = f"""prompt_before=$PS1
 export PATH={VENV_BIN}:$PATH
-echo "test site: sourced on ${{SLURMD_NODENAME:-?}}"
+echo "test site: sourced on ${{SLURMD_NODENAME:-?}} at niceness $(nice)"
 """
 SITE_SOURCED = "test site: sourced on "
+# The background jobs' niceness: at 10 a job's process gets about a tenth of a core that a test's
+# process wants (Linux weighs nice 10 at 110 and nice 0 at 1024), so a job held up by a busy
+# machine still moves, well inside its collectives' 600 s timeout, while the tests lose little.
+BACKGROUND_NICENESS = 10
 # The one line per node each start writes: GPUs (none here), then the torch the ranks import.
 NODE_LINE = (rf"^node (\S+): (.*) \| torch {re.escape(torch.__version__)}, CUDA {torch.version.cuda or 'none'}, "
              r"NCCL (\S+)(?: \| (.*))?$")
@@ -123,7 +135,7 @@ class Jobs:
         self.site.parent.mkdir()
         self.site.write_text(SITE_FILE)
 
-    def submit(self, name, script, *args, options=(), env=None, output_dir=None):
+    def submit(self, name, script, *args, options=(), env=None, output_dir=None, niceness=0):
         out = output_dir or self.folder / f"out-{name}"
         path = [p for p in os.environ["PATH"].split(os.pathsep) if p and Path(p).resolve() != VENV_BIN.resolve()]
         variables = {
@@ -139,7 +151,7 @@ class Jobs:
         # Submitted by a path relative to a folder outside the repository, as a learner might.
         script = os.path.relpath(SLURM / script, self.folder)
         job = self.cluster.sbatch(script, *args, options=[f"--job-name={name}", "--output=%x-%j.out", *options],
-                                  env=env_all, cwd=self.folder)
+                                  env=env_all, cwd=self.folder, niceness=niceness)
         self.ids[name], self.outs[name] = job, out
         self.logs[name] = self.folder / f"{name}-{job}.out"
         return job
@@ -154,17 +166,39 @@ class Jobs:
         return [json.loads(line)["step"] for line in (self.outs[name] / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def jobs(slurm_cluster, tiny_model, tmp_path_factory):
-    """Queue every job of this module at once; the tests wait for theirs."""
+    """The background jobs, queued at once, at `BACKGROUND_NICENESS`: every lesson script, and the
+    jobs that stop before any training. The tests wait for theirs."""
     jobs = Jobs(slurm_cluster, tmp_path_factory.mktemp("submit"), tiny_model)
+    background = {"niceness": BACKGROUND_NICENESS}
     # Jobs that stop before any training, in a second: one line and exit status 2.
-    jobs.submit("no-gpus", "chess_finetune.sh", options=["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G"])
+    jobs.submit("no-gpus", "chess_finetune.sh", options=["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G"],
+                **background)
     jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G"],
-                env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"})
+                env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"}, **background)
     (jobs.folder / "a-file").write_text("not a folder")  # so no HF_HOME can be made under it
     jobs.submit("no-model-cache", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
-                env={"SCRATCH": str(jobs.folder / "a-file" / "scratch")})
+                env={"SCRATCH": str(jobs.folder / "a-file" / "scratch")}, **background)
+    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
+    jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=SMALL_JOB,
+                env={"SBATCH_CONSTRAINT": "gpu80"}, **background)
+    # And only the other node: a job that stops at once (3 sequences do not divide over 1 x 2).
+    jobs.submit("gpu40", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                env={"SBATCH_CONSTRAINT": "gpu40", "TOTAL_BATCH_SIZE": "3"}, **background)
+    for script in LESSON_SCRIPTS:
+        lesson = LESSONS.get(script.stem, {})
+        jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=SMALL_JOB,
+                    env=lesson.get("env"), **background)
+    return jobs
+
+
+@pytest.fixture(scope="session")
+def timed_jobs(jobs, slurm_cluster):
+    """The jobs whose tests send a signal or wait for SLURM's clock, queued at full priority when the
+    first of those tests runs (after every other test of the session): a warning must find the
+    ranks where the test expects them, and a time limit must not end a start that a busy machine
+    slowed down. Returns `jobs`, which now holds them too."""
     # The time limit's own warning: 2 minutes, USR1 30 s before the end. slurmctld looks at its
     # clock every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into a start.
     # The ranks hold after step 3, the last, until it does (MINIDIST_PAUSE_AT, preemption.py), so
@@ -189,17 +223,15 @@ def jobs(slurm_cluster, tiny_model, tmp_path_factory):
                 options=["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=1", "--mem=2G"],
                 env={"MINIDIST_PAUSE_AT": "step:3", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5_0"})
     slurm_cluster.signal_when(jobs.ids["preempted"], jobs.logs["preempted"], "paused at step 3")
-    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
-    jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=SMALL_JOB,
-                env={"SBATCH_CONSTRAINT": "gpu80"})
-    # And only the other node: a job that stops at once (3 sequences do not divide over 1 x 2).
-    jobs.submit("gpu40", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
-                env={"SBATCH_CONSTRAINT": "gpu40", "TOTAL_BATCH_SIZE": "3"})
-    for script in LESSON_SCRIPTS:
-        lesson = LESSONS.get(script.stem, {})
-        jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=SMALL_JOB,
-                    env=lesson.get("env"))
     return jobs
+
+
+def test_the_background_jobs_are_queued_first(jobs, slurm_cluster):
+    """The first test of the session whenever this module is in it: SLURM took every background job
+    (sbatch answered with its id), and the controller knows each by its name. They run while the
+    rest of the suite does; their tests, at the end, find most of them finished."""
+    known = slurm_cluster.jobs()
+    assert {name: known[job]["JobName"] for name, job in jobs.ids.items()} == {name: name for name in jobs.ids}
 
 
 def starts(log: str) -> list[str]:
@@ -215,6 +247,7 @@ def test_every_lesson_script_runs_under_slurm(jobs, script):
     assert "Traceback" not in log, log
     # The site's set-up, once, before anything ran Python: the estimate (00), a node's line, the training.
     assert f"site set-up: sourcing {jobs.site}" in log and log.count(SITE_SOURCED) == 1, log
+    assert f" at niceness {BACKGROUND_NICENESS}\n" in log, log  # the batch shell runs at sbatch's niceness
     python = [log.find(text) for text in ("lesson 00: the memory estimate", "\nnode ", " x cpu") if text in log]
     assert python and log.index(SITE_SOURCED) < min(python), log
     for line in lesson.get("log", []):
@@ -244,8 +277,8 @@ def test_the_two_node_lesson_sends_less_across_nodes_with_hsdp(jobs):
         assert 0 < max(lora["comm_bytes_across_nodes_by_rank"]) < max(hybrid["comm_bytes_across_nodes_by_rank"]) / 10
 
 
-def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
-    [(record, log)] = jobs.wait("one-node")
+def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(timed_jobs):
+    [(record, log)] = timed_jobs.wait("one-node")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     # 8 = 2 per device x 2 ranks x 2 accumulation steps, computed by the script.
     assert "1 node(s) x 2 GPUs" in log and "total batch 8 = 2 x 2 x 2 accumulation" in log
@@ -253,12 +286,12 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
     assert "legal-move rate after training" in log
     # The model cache under SCRATCH, made by the script; one line for the node, no network variable
     # (the empty NCCL_SOCKET_IFNAME was not passed on); no GPU constraint asked for.
-    scratch = jobs.folder / "scratch"
+    scratch = timed_jobs.folder / "scratch"
     assert f"model cache: HF_HOME={scratch}/hf" in log and (scratch / "hf").is_dir(), log
     nodes = node_lines(log)
     assert list(nodes) == [record["NodeList"]] and nodes[record["NodeList"]][1] == "", log
     assert "GPU constraint: none" in log
-    assert (jobs.outs["one-node"] / "model" / "config.json").exists()
+    assert (timed_jobs.outs["one-node"] / "model" / "config.json").exists()
     # slurmd prints the cores it binds each task to: the batch shell's, then srun's one task.
     # srun must get the job's --cpus-per-task (SLURM >= 22.05 no longer passes it on by itself).
     masks = re.findall(r"cpu-bind=MASK - \S+, task +\d+ +\d+ \[\d+\]: mask (0x[0-9a-f]+) set", log)
@@ -266,11 +299,11 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
     assert len(masks) >= 2 and [bin(int(m, 16)).count("1") for m in masks] == [cpus] * len(masks), log
 
 
-def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
+def test_two_nodes_stop_at_a_warning_requeue_and_resume(timed_jobs, slurm_cluster):
     """A warning sent by hand while both nodes' ranks hold after step 3: the batch shell passes it
     to srun, which passes it to every process of the step on both nodes; they save checkpoint-3
     together, the script requeues the job, and SLURM starts it again with the same id."""
-    [(record, log)] = jobs.wait("preempted")
+    [(record, log)] = timed_jobs.wait("preempted")
     assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log
     first, second = starts(log)
     head = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()[0]
@@ -282,21 +315,21 @@ def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
     assert {name: network for name, (_, network) in node_lines(first).items()} == {
         name: "NCCL_IB_HCA=mlx5_0 NCCL_SOCKET_IFNAME=lo" for name in nodes}, first
     assert set(node_lines(second)) == set(nodes), second
-    out = jobs.outs["preempted"]
+    out = timed_jobs.outs["preempted"]
     assert "USR1: the time limit is near; asking the training to save and stop" in first
     assert first.count("stopped by SIGUSR1 after step 3: saved") == 1, first
-    assert f"requeueing job {jobs.ids['preempted']}; the next start resumes from {out}/checkpoint-3" in first
+    assert f"requeueing job {timed_jobs.ids['preempted']}; the next start resumes from {out}/checkpoint-3" in first
     assert "step    4/6" not in first
-    assert f"job {jobs.ids['preempted']} (start 2)" in second
+    assert f"job {timed_jobs.ids['preempted']} (start 2)" in second
     assert f"resumed from {out / 'checkpoint-3'} at step 3" in second and "step    6/6" in second
-    assert jobs.steps("preempted") == [1, 2, 3, 4, 5, 6]
+    assert timed_jobs.steps("preempted") == [1, 2, 3, 4, 5, 6]
     from transformers import AutoModelForCausalLM  # the full form: a Hugging Face folder
     assert AutoModelForCausalLM.from_pretrained(out / "checkpoint-3" / "model").config.hidden_size == 64
 
 
-def test_the_time_limit_warning_stops_requeues_and_resumes(jobs):
+def test_the_time_limit_warning_stops_requeues_and_resumes(timed_jobs):
     """No scancel here: slurmctld itself sends USR1 before the 2-minute limit (`--signal=B:USR1@30`)."""
-    [(record, log)] = jobs.wait("time-limit")
+    [(record, log)] = timed_jobs.wait("time-limit")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert int(record["Restarts"]) >= 1, log
     first, *later = starts(log)
@@ -305,38 +338,38 @@ def test_the_time_limit_warning_stops_requeues_and_resumes(jobs):
     stopped = re.search(r"stopped by SIGUSR1 after step (\d): saved (\S+);", first)
     assert stopped, first
     step, checkpoint = stopped.groups()
-    assert f"requeueing job {jobs.ids['time-limit']}; the next start resumes from {checkpoint}" in first
+    assert f"requeueing job {timed_jobs.ids['time-limit']}; the next start resumes from {checkpoint}" in first
     assert f"resumed from {checkpoint} at step {step}" in later[0]
-    assert jobs.steps("time-limit") == [1, 2, 3]
+    assert timed_jobs.steps("time-limit") == [1, 2, 3]
 
 
-def test_a_warning_as_a_start_begins_loses_nothing(jobs):
+def test_a_warning_as_a_start_begins_loses_nothing(timed_jobs):
     """The warning comes as the start begins (sent once "(start 1)" is logged). Wherever it lands,
     nothing is lost and no step runs twice: before srun, the script requeues at once; before srun's
     tasks started, srun drops it and the stop file stops the ranks after their first step, with a
     checkpoint (a CI run landed there); before the ranks installed their handler, they die of it,
     having trained nothing since checkpoint-2. The next start goes on from what this one left."""
-    (_, _), (record, log) = jobs.wait("one-node", "early-warning")
+    (_, _), (record, log) = timed_jobs.wait("one-node", "early-warning")
     assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log
     first, second = starts(log)
-    out = jobs.outs["early-warning"]
+    out = timed_jobs.outs["early-warning"]
     assert "USR1: the time limit is near" in first, first
     resumes_from = re.search(r"the next start resumes from (\S+)", first).group(1)
     stopped = re.search(r"stopped by .* after step (\d): saved (\S+);", first)
     assert resumes_from == (stopped.group(2) if stopped else f"{out}/checkpoint-2"), first
     step = resumes_from.rsplit("-", 1)[1]
     assert f"resumed from {resumes_from} at step {step}" in second and "step    4/4" in second, second
-    assert jobs.steps("early-warning") == [1, 2, 3, 4]
+    assert timed_jobs.steps("early-warning") == [1, 2, 3, 4]
 
 
-def test_jobs_sharing_a_node_get_their_own_rendezvous_port(jobs):
+def test_jobs_sharing_a_node_get_their_own_rendezvous_port(timed_jobs):
     """A fixed port (29500) made a second job on the same head node fail or join the first one's
     rendezvous store; the port comes from the job id."""
     names = ["one-node", "preempted", "time-limit", "01_collectives", "02_ddp", "03_accumulation"]
     ports = {}
-    for name, (_, log) in zip(names, jobs.wait(*names)):
+    for name, (_, log) in zip(names, timed_jobs.wait(*names)):
         port = int(re.search(r"rendezvous \S+:(\d+)", log).group(1))
-        assert port == 20000 + jobs.ids[name] % 10000
+        assert port == 20000 + timed_jobs.ids[name] % 10000
         ports[name] = port
     assert len(set(ports.values())) == len(names)
 
