@@ -107,10 +107,11 @@ export PATH={VENV_BIN}:$PATH
 echo "test site: sourced on ${{SLURMD_NODENAME:-?}} at niceness $(nice)"
 """
 SITE_SOURCED = "test site: sourced on "
-# The background jobs' niceness: at 10 a job's process gets about a tenth of a core that a test's
-# process wants (Linux weighs nice 10 at 110 and nice 0 at 1024), so a job held up by a busy
-# machine still moves, well inside its collectives' 600 s timeout, while the tests lose little.
-BACKGROUND_NICENESS = 10
+# The background jobs' niceness. Linux weighs a process at nice 19 at 15 and one at nice 0 at 1024,
+# process by process: so the 10 or so processes of four jobs at once take about a tenth of a core
+# that a test wants, and all of a core that no test wants. At nice 10 (weight 110 each) they took
+# more than the tests: the benchmarks' tests ran four times slower while the jobs started.
+BACKGROUND_NICENESS = 19
 # The one line per node each start writes: GPUs (none here), then the torch the ranks import.
 NODE_LINE = (rf"^node (\S+): (.*) \| torch {re.escape(torch.__version__)}, CUDA {torch.version.cuda or 'none'}, "
              r"NCCL (\S+)(?: \| (.*))?$")
