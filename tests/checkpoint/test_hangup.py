@@ -74,7 +74,10 @@ def test_a_closed_terminal_saves_and_exits_75(args, tmp_path):
 
 
 def _controlled_by_stdin() -> None:
-    """In the new session's process, before it runs Python: make its stdin its controlling terminal."""
+    """In the new session's process, before it runs Python: make its stdin its controlling terminal,
+    and let SIGHUP do what it does in a terminal's shell. A process inherits an ignored signal across
+    exec: under `nohup python -m pytest ...` the run would ignore the hang-up and wait for ever."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
