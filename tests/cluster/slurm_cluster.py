@@ -23,10 +23,16 @@ CPUs, so that the masks name real cores. Like a site with 40 GB and 80 GB A100 n
 carry a feature each, `gpu40` and `gpu80`, which a job asks for with `--constraint` (or
 `SBATCH_CONSTRAINT`); `gpu80` is the second node's, the one SLURM fills last, so that a job found
 there got there by its constraint more likely than by chance. A requeued job may start again once its credential
-expired: `cred_expire=10` makes that 10 s (the default is 120). A job's processes take the
-niceness of the command that submitted them (`PropagatePrioProcess=1`: the batch shell sbatch's,
-a step's tasks srun's), so a test can queue work that takes only the cores nothing else wants
-(`sbatch(..., niceness=19)`).
+expired: `cred_expire=10` makes that 10 s (the default is 120).
+
+Jobs can be held back, so that they run on what the tests leave of the cores (`hold_back`): the
+slurmd run in a cgroup of their own, and so does every job they start, whose CPU time Linux gives
+only when nothing outside it wants the core (`cpu.idle`, Linux 5.15 and later). Niceness alone does
+not do it where the kernel groups processes by session (`sched_autogroup_enabled`, on here): it
+shares the CPU fairly between sessions first, and every job step is a session of its own. A job's
+processes still take the niceness of the command that submitted them (`PropagatePrioProcess=1`: the
+batch shell sbatch's, a step's tasks srun's), which is what holds them back where there is no such
+cgroup to make and no autogroup (`sbatch(..., niceness=19)`).
 
 It needs root (slurmd starts jobs as their user) and the Debian/Ubuntu packages `slurmctld
 slurmd slurm-client munge`, which `ensure_installed` installs with apt when missing.
@@ -80,7 +86,7 @@ class Cluster:
         self.features = dict(zip(self.nodes, ("gpu40", "gpu80")))  # node -> its one feature
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self._pids: list[int] = []
+        self.group: Path | None = None  # the slurmd's cgroup (`hold_back`), once made
 
     # -- putting it together -------------------------------------------------------------------
 
@@ -153,9 +159,48 @@ class Cluster:
         while time.monotonic() < deadline:  # both nodes registered and idle
             out = self.run("sinfo", "--noheader", "--format=%T %D", check=False).stdout.split()
             if out == ["idle", str(len(self.nodes))]:
+                self.group = self._own_cgroup()
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the SLURM nodes did not come up in {timeout} s: {out}; see {r}/log")
+
+    def _own_cgroup(self) -> Path | None:
+        """Move the slurmd into a new cgroup with the `cpu.idle` switch, under cgroup v1's cpu
+        controller or cgroup v2's root; the jobs they start are born in it. None where no such group
+        can be made here (no cgroup file system, none writable, a kernel before 5.15)."""
+        for base in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")):
+            if not (base / "cgroup.procs").exists():  # not a cgroup hierarchy (v1 mounts a tmpfs above)
+                continue
+            group = base / self.root.name
+            try:
+                group.mkdir()
+                if not (group / "cpu.idle").exists():
+                    raise OSError("no cpu.idle")
+                for node in self.nodes:
+                    (group / "cgroup.procs").write_text((self.root / f"slurmd-{node}.pid").read_text().split()[0])
+                return group
+            except OSError:
+                self._remove_cgroup(group)
+        return None
+
+    def hold_back(self, yes: bool) -> bool:
+        """Give the jobs only the CPU time nothing else on this machine wants (yes), or their fair
+        share (no); return whether it could be done (a cgroup was made at start)."""
+        if self.group is not None:
+            (self.group / "cpu.idle").write_text("1" if yes else "0")
+        return self.group is not None
+
+    @staticmethod
+    def _remove_cgroup(group: Path) -> None:
+        """Remove a cgroup once its processes have ended (rmdir: the kernel refuses it before)."""
+        for _ in range(50):
+            try:
+                group.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
 
     def stop(self) -> None:
         """Cancel what still runs, end the daemons (by their pid files, never by name), remove it all."""
@@ -179,6 +224,8 @@ class Cluster:
                 except ProcessLookupError:
                     break
                 time.sleep(0.1)
+        if self.group is not None:
+            self._remove_cgroup(self.group)
         shutil.rmtree(self.root, ignore_errors=True)
 
     # -- using it ------------------------------------------------------------------------------
