@@ -3,19 +3,17 @@ and the order that lets its jobs run in the background of the whole session."""
 
 import pytest
 
-QUEUE_FIRST = "test_the_background_jobs_are_queued_first"
+QUEUE_FIRST = "test_the_jobs_are_queued_first"
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected what they deselect
 def pytest_collection_modifyitems(items):
     """When test_slurm.py's queueing test is in the session, run it first and the module's other
-    tests last, those that queue jobs at full priority (`timed_jobs`) first among them: the
-    background jobs then have the whole session to run in (test_slurm.py's docstring says why)."""
+    tests last: its jobs then have the whole session to run in (test_slurm.py's docstring says how)."""
     first = [item for item in items if item.path.name == "test_slurm.py" and item.name == QUEUE_FIRST]
     if not first:
         return
     last = [item for item in items if item.path.name == "test_slurm.py" and item.name != QUEUE_FIRST]
-    last.sort(key=lambda item: "timed_jobs" not in item.fixturenames)  # stable: file order otherwise
     middle = [item for item in items if item.path.name != "test_slurm.py"]
     items[:] = first + middle + last
 

@@ -190,6 +190,18 @@ class Cluster:
             (self.group / "cpu.idle").write_text("1" if yes else "0")
         return self.group is not None
 
+    def hold_back_after(self, job_ids) -> threading.Thread:
+        """In the background: once these jobs have finished (or an hour has passed), hold the
+        cluster's jobs back (`hold_back(True)`)."""
+        def watch():
+            try:
+                self.wait(job_ids, timeout=3600, poll=1)
+            finally:
+                self.hold_back(True)
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        return thread
+
     @staticmethod
     def _remove_cgroup(group: Path) -> None:
         """Remove a cgroup once its processes have ended (rmdir: the kernel refuses it before)."""

@@ -3,17 +3,18 @@
 `tests/cluster/slurm_cluster.py` starts the cluster; CPU ranks on gloo stand in for the GPUs that gres
 hands out. Every script in slurm/ runs through it with the tiny model, 2 steps and short
 sequences. Each test waits for its own job, and the cluster runs them side by side (each node has
-this machine's cores, one per job). They are queued in two groups:
-- the background jobs (every lesson script, and those that stop in one line) at the very start of
-  the session: `test_the_background_jobs_are_queued_first` runs before any other test
-  (`tests/cluster/conftest.py` orders it so, and the rest of this module last). The cluster holds
-  them back (`Cluster.hold_back`: a cgroup whose CPU time is only what nothing else wants), so
-  they run on what the other tests leave of the cores: on CI's 2 cores the rest of the suite keeps
-  them busy about three quarters of the time (a serial run, measured with /proc/stat), room for
-  these jobs' ~600 CPU seconds, which took 5 minutes of the module's 7 when they ran in it;
-- the jobs whose test sends a signal or waits for SLURM's clock (a time limit, a warning, a
-  requeue), when the first of their tests runs, after every other test: then the jobs get their
-  fair share of the cores again, so that a busy machine does not move what these tests hold.
+this machine's cores, one per job). They are all queued at the very start of the session:
+`test_the_jobs_are_queued_first` runs before any other test (`tests/cluster/conftest.py` orders it
+so, and the rest of this module last), and the jobs run while the rest of the suite does:
+- first the jobs whose tests send a signal or wait for SLURM's clock (a time limit, a warning, a
+  requeue), at their fair share of the cores, so that a busy machine does not move what these tests
+  hold; the other tests run slower meanwhile, for two or three minutes;
+- then, once those have finished (`--dependency=afterany`), the others (every lesson script, and
+  the jobs that stop in one line), held back (`Cluster.hold_back`: a cgroup whose CPU time is only
+  what nothing else wants): they run on what the other tests leave of the cores. On CI's 2 cores
+  the rest of the suite keeps them busy about three quarters of the time (a serial run, measured
+  with /proc/stat), room for these jobs' ~650 CPU seconds.
+When the module's tests come, at the end, they find their jobs finished, or nearly.
 
 What only a real SLURM shows, and these tests hold the scripts to:
 - sbatch runs a copy of the script from slurmd's spool folder: the jobs are submitted from a
@@ -35,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,8 @@ SITE_SOURCED = "test site: sourced on "
 # The background jobs' niceness, which holds them back where the cluster has no cgroup to do it
 # with (and the kernel does not group processes by session: slurm_cluster.py's docstring).
 BACKGROUND_NICENESS = 19
+# The jobs queued first, at their fair share (module docstring): their tests signal them or wait for SLURM's clock.
+TIMED = ("time-limit", "one-node", "early-warning", "preempted")
 # The one line per node each start writes: GPUs (none here), then the torch the ranks import.
 NODE_LINE = (rf"^node (\S+): (.*) \| torch {re.escape(torch.__version__)}, CUDA {torch.version.cuda or 'none'}, "
              r"NCCL (\S+)(?: \| (.*))?$")
@@ -168,40 +172,19 @@ class Jobs:
 
 @pytest.fixture(scope="session")
 def jobs(slurm_cluster, tiny_model, tmp_path_factory):
-    """The background jobs, queued at once, at `BACKGROUND_NICENESS`: every lesson script, and the
-    jobs that stop before any training. The tests wait for theirs."""
+    """Every job of this module, queued at once (the module's docstring says in what order); the
+    tests wait for theirs."""
     jobs = Jobs(slurm_cluster, tmp_path_factory.mktemp("submit"), tiny_model)
-    slurm_cluster.hold_back(True)
-    background = {"niceness": BACKGROUND_NICENESS}
-    # Jobs that stop before any training, in a second: one line and exit status 2.
-    jobs.submit("no-gpus", "chess_finetune.sh", options=["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G"],
-                **background)
-    jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G"],
-                env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"}, **background)
-    (jobs.folder / "a-file").write_text("not a folder")  # so no HF_HOME can be made under it
-    jobs.submit("no-model-cache", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
-                env={"SCRATCH": str(jobs.folder / "a-file" / "scratch")}, **background)
-    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
-    jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=SMALL_JOB,
-                env={"SBATCH_CONSTRAINT": "gpu80"}, **background)
-    # And only the other node: a job that stops at once (3 sequences do not divide over 1 x 2).
-    jobs.submit("gpu40", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G"],
-                env={"SBATCH_CONSTRAINT": "gpu40", "TOTAL_BATCH_SIZE": "3"}, **background)
-    for script in LESSON_SCRIPTS:
-        lesson = LESSONS.get(script.stem, {})
-        jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=SMALL_JOB,
-                    env=lesson.get("env"), **background)
+    timed = queue_timed(jobs, slurm_cluster)
+    slurm_cluster.hold_back_after(timed)
+    queue_background(jobs, after=timed)
     return jobs
 
 
-@pytest.fixture(scope="session")
-def timed_jobs(jobs, slurm_cluster):
-    """The jobs whose tests send a signal or wait for SLURM's clock, queued at full priority when the
-    first of those tests runs (after every other test of the session): a warning must find the
-    ranks where the test expects them, and a time limit must not end a start that a busy machine
-    slowed down. So the cluster stops holding its jobs back first. Returns `jobs`, which now holds
-    them too."""
-    slurm_cluster.hold_back(False)
+def queue_timed(jobs: Jobs, cluster) -> list[int]:
+    """The jobs whose tests send a signal or wait for SLURM's clock: a warning must find the ranks
+    where the test expects them, and a time limit must not end a start that a busy machine slowed
+    down. Returns their ids."""
     # The time limit's own warning: 2 minutes, USR1 30 s before the end. slurmctld looks at its
     # clock every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into a start.
     # The ranks hold after step 3, the last, until it does (MINIDIST_PAUSE_AT, preemption.py), so
@@ -210,7 +193,7 @@ def timed_jobs(jobs, slurm_cluster):
     jobs.submit("time-limit", "chess_finetune.sh", "--max_steps", "3", *SMALL, "--no_save",
                 options=[*SMALL_JOB, "--time=2", "--signal=B:USR1@30"], env={"MINIDIST_PAUSE_AT": "step:3", "IMPL": "torch"})
     # One node, two CPUs for srun's task (a whole node here), evaluation, a checkpoint per step...
-    cpus = min(2, slurm_cluster.cpus_per_node)
+    cpus = min(2, cluster.cpus_per_node)
     # (NCCL_SOCKET_IFNAME set but empty: not passed on as "".)
     one_node = jobs.submit("one-node", "chess_finetune.sh", "--max_steps", "2", "--max_seq_length", "48",
                            "--eval_prefixes", "8", "--save_steps", "1",
@@ -219,32 +202,65 @@ def timed_jobs(jobs, slurm_cluster):
     # ...then, in the same folder, a job warned before its ranks even started: from checkpoint-2 on.
     jobs.submit("early-warning", "chess_finetune.sh", "--max_steps", "4", *SMALL, "--no_save",
                 options=[*SMALL_JOB, f"--dependency=afterok:{one_node}"], output_dir=jobs.outs["one-node"])
-    slurm_cluster.signal_when(jobs.ids["early-warning"], jobs.logs["early-warning"], "(start 1)")
+    cluster.signal_when(jobs.ids["early-warning"], jobs.logs["early-warning"], "(start 1)")
     # Two nodes, one rank each, and a warning sent by hand while the ranks hold after step 3; the
     # NCCL network settings a two-node job may need (unused by gloo: only seen on every node).
     jobs.submit("preempted", "chess_finetune.sh", "--max_steps", "6", *SMALL, "--checkpoint_format", "full",
                 options=["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=1", "--mem=2G"],
                 env={"MINIDIST_PAUSE_AT": "step:3", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5_0"})
-    slurm_cluster.signal_when(jobs.ids["preempted"], jobs.logs["preempted"], "paused at step 3")
-    return jobs
+    cluster.signal_when(jobs.ids["preempted"], jobs.logs["preempted"], "paused at step 3")
+    return [jobs.ids[name] for name in TIMED]
 
 
-def test_the_background_jobs_are_queued_first(jobs, slurm_cluster):
-    """The first test of the session whenever this module is in it: SLURM took every background job
-    (sbatch answered with its id), and the controller knows each by its name. They run while the
-    rest of the suite does, held back; their tests, at the end, find most of them finished. In CI
-    they must be held back: beside them the other tests ran up to 14 times slower (the benchmarks'
-    sweep: 174 s where it took 12), each job step being a session that Linux gives a fair share."""
+def queue_background(jobs: Jobs, after: list[int]) -> None:
+    """Every lesson script, and the jobs that stop before any training, each to start once the jobs
+    `after` have finished, at `BACKGROUND_NICENESS`."""
+    then = f"--dependency=afterany:{':'.join(map(str, after))}"
+    background = {"niceness": BACKGROUND_NICENESS}
+    # Jobs that stop before any training, in a second: one line and exit status 2.
+    jobs.submit("no-gpus", "chess_finetune.sh", options=["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G", then],
+                **background)
+    jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G", then],
+                env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"}, **background)
+    (jobs.folder / "a-file").write_text("not a folder")  # so no HF_HOME can be made under it
+    jobs.submit("no-model-cache", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G", then],
+                env={"SCRATCH": str(jobs.folder / "a-file" / "scratch")}, **background)
+    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
+    jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=[*SMALL_JOB, then],
+                env={"SBATCH_CONSTRAINT": "gpu80"}, **background)
+    # And only the other node: a job that stops at once (3 sequences do not divide over 1 x 2).
+    jobs.submit("gpu40", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G", then],
+                env={"SBATCH_CONSTRAINT": "gpu40", "TOTAL_BATCH_SIZE": "3"}, **background)
+    for script in LESSON_SCRIPTS:
+        lesson = LESSONS.get(script.stem, {})
+        jobs.submit(script.stem, script.name, *lesson.get("args", FINETUNE_ARGS), options=[*SMALL_JOB, then],
+                    env=lesson.get("env"), **background)
+
+
+def test_the_jobs_are_queued_first(jobs, slurm_cluster):
+    """The first test of the session whenever this module is in it: SLURM took every job (sbatch
+    answered with its id), the controller knows each by its name, and the background ones wait for
+    the timed ones. Where the cluster could make its idle-only cgroup, the slurmd, which start every
+    job, are in it: not held back, the background jobs took their fair share of the cores, and the
+    other tests beside them ran up to 14 times slower (the benchmarks' sweep: 174 s where it took
+    12), each job step being a session of its own, which Linux gives as much as the whole of pytest."""
     known = slurm_cluster.jobs()
     assert {name: known[job]["JobName"] for name, job in jobs.ids.items()} == {name: name for name in jobs.ids}
-    if os.environ.get("CI") == "true":
-        assert slurm_cluster.group is not None, "CI must hold the background jobs back: no cgroup with cpu.idle"
+    timed = {jobs.ids[name] for name in TIMED}
+    for name, job in jobs.ids.items():
+        if job not in timed:
+            assert set(re.findall(r"\d+", known[job]["Dependency"])) >= {str(j) for j in timed}, known[job]
+    if slurm_cluster.group is not None:
+        slurmd = {(slurm_cluster.root / f"slurmd-{node}.pid").read_text().split()[0] for node in slurm_cluster.nodes}
+        assert slurmd <= set((slurm_cluster.group / "cgroup.procs").read_text().split())
+
+
+def test_the_background_jobs_ran_held_back(jobs, slurm_cluster):
+    """Once the timed jobs had finished, the cluster held its jobs back (`hold_back_after`)."""
+    jobs.wait(*TIMED)
+    time.sleep(2)  # the watcher looks every second
+    if slurm_cluster.group is not None:
         assert (slurm_cluster.group / "cpu.idle").read_text().strip() == "1"
-
-
-def starts(log: str) -> list[str]:
-    """The log of each start of a job (`--open-mode=append`: every start writes to one file)."""
-    return re.split(r"(?=^job \d+ \(start \d+\))", log, flags=re.M)[1:]
 
 
 @pytest.mark.parametrize("script", LESSON_SCRIPTS, ids=lambda p: p.stem)
@@ -285,8 +301,8 @@ def test_the_two_node_lesson_sends_less_across_nodes_with_hsdp(jobs):
         assert 0 < max(lora["comm_bytes_across_nodes_by_rank"]) < max(hybrid["comm_bytes_across_nodes_by_rank"]) / 10
 
 
-def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(timed_jobs):
-    [(record, log)] = timed_jobs.wait("one-node")
+def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
+    [(record, log)] = jobs.wait("one-node")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     # 8 = 2 per device x 2 ranks x 2 accumulation steps, computed by the script.
     assert "1 node(s) x 2 GPUs" in log and "total batch 8 = 2 x 2 x 2 accumulation" in log
@@ -294,12 +310,12 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(timed_jobs
     assert "legal-move rate after training" in log
     # The model cache under SCRATCH, made by the script; one line for the node, no network variable
     # (the empty NCCL_SOCKET_IFNAME was not passed on); no GPU constraint asked for.
-    scratch = timed_jobs.folder / "scratch"
+    scratch = jobs.folder / "scratch"
     assert f"model cache: HF_HOME={scratch}/hf" in log and (scratch / "hf").is_dir(), log
     nodes = node_lines(log)
     assert list(nodes) == [record["NodeList"]] and nodes[record["NodeList"]][1] == "", log
     assert "GPU constraint: none" in log
-    assert (timed_jobs.outs["one-node"] / "model" / "config.json").exists()
+    assert (jobs.outs["one-node"] / "model" / "config.json").exists()
     # slurmd prints the cores it binds each task to: the batch shell's, then srun's one task.
     # srun must get the job's --cpus-per-task (SLURM >= 22.05 no longer passes it on by itself).
     masks = re.findall(r"cpu-bind=MASK - \S+, task +\d+ +\d+ \[\d+\]: mask (0x[0-9a-f]+) set", log)
@@ -307,11 +323,11 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(timed_jobs
     assert len(masks) >= 2 and [bin(int(m, 16)).count("1") for m in masks] == [cpus] * len(masks), log
 
 
-def test_two_nodes_stop_at_a_warning_requeue_and_resume(timed_jobs, slurm_cluster):
+def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
     """A warning sent by hand while both nodes' ranks hold after step 3: the batch shell passes it
     to srun, which passes it to every process of the step on both nodes; they save checkpoint-3
     together, the script requeues the job, and SLURM starts it again with the same id."""
-    [(record, log)] = timed_jobs.wait("preempted")
+    [(record, log)] = jobs.wait("preempted")
     assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log
     first, second = starts(log)
     head = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()[0]
@@ -323,21 +339,21 @@ def test_two_nodes_stop_at_a_warning_requeue_and_resume(timed_jobs, slurm_cluste
     assert {name: network for name, (_, network) in node_lines(first).items()} == {
         name: "NCCL_IB_HCA=mlx5_0 NCCL_SOCKET_IFNAME=lo" for name in nodes}, first
     assert set(node_lines(second)) == set(nodes), second
-    out = timed_jobs.outs["preempted"]
+    out = jobs.outs["preempted"]
     assert "USR1: the time limit is near; asking the training to save and stop" in first
     assert first.count("stopped by SIGUSR1 after step 3: saved") == 1, first
-    assert f"requeueing job {timed_jobs.ids['preempted']}; the next start resumes from {out}/checkpoint-3" in first
+    assert f"requeueing job {jobs.ids['preempted']}; the next start resumes from {out}/checkpoint-3" in first
     assert "step    4/6" not in first
-    assert f"job {timed_jobs.ids['preempted']} (start 2)" in second
+    assert f"job {jobs.ids['preempted']} (start 2)" in second
     assert f"resumed from {out / 'checkpoint-3'} at step 3" in second and "step    6/6" in second
-    assert timed_jobs.steps("preempted") == [1, 2, 3, 4, 5, 6]
+    assert jobs.steps("preempted") == [1, 2, 3, 4, 5, 6]
     from transformers import AutoModelForCausalLM  # the full form: a Hugging Face folder
     assert AutoModelForCausalLM.from_pretrained(out / "checkpoint-3" / "model").config.hidden_size == 64
 
 
-def test_the_time_limit_warning_stops_requeues_and_resumes(timed_jobs):
+def test_the_time_limit_warning_stops_requeues_and_resumes(jobs):
     """No scancel here: slurmctld itself sends USR1 before the 2-minute limit (`--signal=B:USR1@30`)."""
-    [(record, log)] = timed_jobs.wait("time-limit")
+    [(record, log)] = jobs.wait("time-limit")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert int(record["Restarts"]) >= 1, log
     first, *later = starts(log)
@@ -346,38 +362,38 @@ def test_the_time_limit_warning_stops_requeues_and_resumes(timed_jobs):
     stopped = re.search(r"stopped by SIGUSR1 after step (\d): saved (\S+);", first)
     assert stopped, first
     step, checkpoint = stopped.groups()
-    assert f"requeueing job {timed_jobs.ids['time-limit']}; the next start resumes from {checkpoint}" in first
+    assert f"requeueing job {jobs.ids['time-limit']}; the next start resumes from {checkpoint}" in first
     assert f"resumed from {checkpoint} at step {step}" in later[0]
-    assert timed_jobs.steps("time-limit") == [1, 2, 3]
+    assert jobs.steps("time-limit") == [1, 2, 3]
 
 
-def test_a_warning_as_a_start_begins_loses_nothing(timed_jobs):
+def test_a_warning_as_a_start_begins_loses_nothing(jobs):
     """The warning comes as the start begins (sent once "(start 1)" is logged). Wherever it lands,
     nothing is lost and no step runs twice: before srun, the script requeues at once; before srun's
     tasks started, srun drops it and the stop file stops the ranks after their first step, with a
     checkpoint (a CI run landed there); before the ranks installed their handler, they die of it,
     having trained nothing since checkpoint-2. The next start goes on from what this one left."""
-    (_, _), (record, log) = timed_jobs.wait("one-node", "early-warning")
+    (_, _), (record, log) = jobs.wait("one-node", "early-warning")
     assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log
     first, second = starts(log)
-    out = timed_jobs.outs["early-warning"]
+    out = jobs.outs["early-warning"]
     assert "USR1: the time limit is near" in first, first
     resumes_from = re.search(r"the next start resumes from (\S+)", first).group(1)
     stopped = re.search(r"stopped by .* after step (\d): saved (\S+);", first)
     assert resumes_from == (stopped.group(2) if stopped else f"{out}/checkpoint-2"), first
     step = resumes_from.rsplit("-", 1)[1]
     assert f"resumed from {resumes_from} at step {step}" in second and "step    4/4" in second, second
-    assert timed_jobs.steps("early-warning") == [1, 2, 3, 4]
+    assert jobs.steps("early-warning") == [1, 2, 3, 4]
 
 
-def test_jobs_sharing_a_node_get_their_own_rendezvous_port(timed_jobs):
+def test_jobs_sharing_a_node_get_their_own_rendezvous_port(jobs):
     """A fixed port (29500) made a second job on the same head node fail or join the first one's
     rendezvous store; the port comes from the job id."""
     names = ["one-node", "preempted", "time-limit", "01_collectives", "02_ddp", "03_accumulation"]
     ports = {}
-    for name, (_, log) in zip(names, timed_jobs.wait(*names)):
+    for name, (_, log) in zip(names, jobs.wait(*names)):
         port = int(re.search(r"rendezvous \S+:(\d+)", log).group(1))
-        assert port == 20000 + timed_jobs.ids[name] % 10000
+        assert port == 20000 + jobs.ids[name] % 10000
         ports[name] = port
     assert len(set(ports.values())) == len(names)
 
