@@ -129,6 +129,11 @@ def node_lines(log: str) -> dict[str, tuple[str, str]]:
     return {name: (gpus, network) for name, gpus, _, network in lines}
 
 
+
+def starts(log: str) -> list[str]:
+    """The log of each start of a job (`--open-mode=append`: every start writes to one file)."""
+    return re.split(r"(?=^job \d+ \(start \d+\))", log, flags=re.M)[1:]
+
 class Jobs:
     """The jobs of this module, queued together: name -> job id, log and output folder."""
 
