@@ -249,9 +249,10 @@ class Cluster:
     def sbatch(self, script, *args, options=(), env=None, cwd=None, niceness: int = 0) -> int:
         """Queue a batch script; return its job id. `env` is the environment it runs with (sbatch
         passes the submitter's on to the job). `niceness` (0 to 19): the job's processes run that
-        much nicer than this one; at 19 a process gets about 1.5% of a core that a process at 0
-        wants, and all of a core that nothing else wants (Linux's scheduler weighs nice 19 at 15
-        and nice 0 at 1024)."""
+        much nicer than this one. Against a process of the same session group, at 19 one gets about
+        1.5% of a core that a process at 0 wants (Linux's scheduler weighs nice 19 at 15 and nice 0
+        at 1024); against another session under autogroup it gets its session's fair share all the
+        same, which is why `hold_back` uses a cgroup."""
         nice = ["nice", "-n", str(niceness)] if niceness else []
         done = self.run(*nice, "sbatch", "--parsable", *options, str(script), *map(str, args),
                         env={**self.env, **(env or {})}, cwd=cwd)

@@ -36,7 +36,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +139,7 @@ class Jobs:
     def __init__(self, cluster, folder: Path, model: str):
         self.cluster, self.folder, self.model = cluster, folder, model
         self.ids, self.logs, self.outs = {}, {}, {}
+        self.watcher = None  # the thread that holds the jobs back once the timed ones are done
         self.site = folder / "site" / "minidist-site.sh"
         self.site.parent.mkdir()
         self.site.write_text(SITE_FILE)
@@ -181,7 +181,7 @@ def jobs(slurm_cluster, tiny_model, tmp_path_factory):
     tests wait for theirs."""
     jobs = Jobs(slurm_cluster, tmp_path_factory.mktemp("submit"), tiny_model)
     timed = queue_timed(jobs, slurm_cluster)
-    slurm_cluster.hold_back_after(timed)
+    jobs.watcher = slurm_cluster.hold_back_after(timed)  # ends once it has held the jobs back
     queue_background(jobs, after=timed)
     return jobs
 
@@ -247,8 +247,9 @@ def test_the_jobs_are_queued_first(jobs, slurm_cluster):
     answered with its id), the controller knows each by its name, and the background ones wait for
     the timed ones. Where the cluster could make its idle-only cgroup, the slurmd, which start every
     job, are in it: not held back, the background jobs took their fair share of the cores, and the
-    other tests beside them ran up to 14 times slower (the benchmarks' sweep: 174 s where it took
-    12), each job step being a session of its own, which Linux gives as much as the whole of pytest."""
+    other tests beside them ran up to 14 times slower in one run (the benchmarks' sweep: 174 s where
+    it took 12), each job step being a session of its own, which Linux gives as much as the whole of
+    pytest."""
     known = slurm_cluster.jobs()
     assert {name: known[job]["JobName"] for name, job in jobs.ids.items()} == {name: name for name in jobs.ids}
     timed = {jobs.ids[name] for name in TIMED}
@@ -263,7 +264,7 @@ def test_the_jobs_are_queued_first(jobs, slurm_cluster):
 def test_the_background_jobs_ran_held_back(jobs, slurm_cluster):
     """Once the timed jobs had finished, the cluster held its jobs back (`hold_back_after`)."""
     jobs.wait(*TIMED)
-    time.sleep(2)  # the watcher looks every second
+    jobs.watcher.join(timeout=60)
     if slurm_cluster.group is not None:
         assert (slurm_cluster.group / "cpu.idle").read_text().strip() == "1"
 

@@ -10,8 +10,8 @@ the command in notebooks/README.md).
 Two notebooks run at a time (`AT_ONCE`), from the module's first test on, each driven by a worker
 process of its own (a fresh interpreter: no event loop, socket or thread shared with pytest or the
 other notebook) in a kernel of its own. A notebook alone keeps about one of CI's two cores busy
-(0.54 of two, from /proc/stat over the 13: its kernel's imports, traces and figures are one
-thread's), so a second one beside it fills the other. The workers return what the test asserts on;
+(0.54 of two, from /proc/stat over the 13 in one serial run: its kernel's imports, traces and
+figures are one thread's), so a second one beside it fills the other. The workers return what the test asserts on;
 a cell's error comes back as its text.
 
 An error inside a widget never reaches nbclient as a cell error: an ipywidgets callback that raises
@@ -23,9 +23,8 @@ error among them. Then, in the same kernel, it turns each control of the noteboo
 that the calculator's output shows an estimate and no traceback.
 
 Time is reported, not asserted. Each notebook's seconds (kernel start to last cell, beside the
-other notebook running) go into its test report
-(`record_property`), and `tests/conftest.py` prints them all at the end of the session, with
-`-s` or without. `BUDGET_S` is a budget in the benchmark sense: the summary marks a notebook above
+other notebook running) go into its test report (`record_property`), and `tests/conftest.py`
+prints them all at the end of the session, with `-s` or without. `BUDGET_S` is a budget in the benchmark sense: the summary marks a notebook above
 it, for a person to look into, and the test still passes; a loaded machine makes every run slower,
 and a timed assertion would fail there with nothing wrong in the notebook. What does fail is a
 cell that hangs: nbclient's per-cell timeout, `HANG_GUARD_S`, far above any cell's normal time.
