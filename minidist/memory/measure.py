@@ -25,10 +25,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from minidist.parallel.zero import ZeroDP
 
@@ -201,8 +200,10 @@ class LiveTensors(TorchDispatchMode):
         self._resize = None
 
     def _track(self, t) -> None:
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.device != self.device:
-            return  # a DTensor (FSDP2) only wraps its local shard, which is counted itself
+        if not isinstance(t, torch.Tensor) or isinstance(t, (DTensor, FakeTensor)) or t.device != self.device:
+            # A DTensor (FSDP2) only wraps its local shard, which is counted itself; DTensor works out
+            # output shapes on fake tensors, which hold no memory.
+            return
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._refs:
@@ -247,10 +248,19 @@ class LiveTensors(TorchDispatchMode):
         if DTensor in types:
             return NotImplemented  # FSDP2: let DTensor turn the op into ops on its local shards first
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is None:  # DTensor works out output shapes on fake tensors: no memory
-            tree_map_only(torch.Tensor, self._track, out)
-            self.peak = max(self.peak, self.current)
+        self._track_outputs(out)
+        self.peak = max(self.peak, self.current)
         return out
+
+    def _track_outputs(self, out) -> None:
+        """Every tensor an operator returned. An ATen operator returns a tensor, a tuple or list of
+        them (`split`, `native_layer_norm`), or no tensor at all: walked here directly, since a
+        traced step makes thousands of calls and a general pytree walk costs several times this."""
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                self._track_outputs(item)
 
 
 _NOT_STATE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
