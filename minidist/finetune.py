@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report_to", type=tensorboard.report_to, choices=tensorboard.CHOICES, default="none",
                    help="tensorboard: rank 0 also writes metrics.jsonl's records to OUTPUT_DIR/tensorboard")
     p.add_argument("--trace_memory_every", type=int, default=0, metavar="N",
-                   help="on CPU, count the whole step's peak of live tensors (memory/measure.py, several times slower) on "
+                   help="on CPU, count the whole step's peak of live tensors (memory/measure.py, up to about 3x slower) on "
                         "the first step and every Nth after it (0: the first only); a GPU counts every step")
     p.add_argument("--no_save", action="store_true", help="do not write the fine-tuned model")
     p.add_argument("--save_dtype", choices=("auto", "fp32", "bf16"), default="auto",

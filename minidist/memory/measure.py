@@ -5,7 +5,8 @@ byte PyTorch handed out, at its highest. The CPU has no such counter (the proces
 size mixes in the interpreter, libraries and freed-but-kept pages), so there we count tensors:
 
 - *the whole step's peak*: every tensor alive at once, whatever it is for (`LiveTensors`, the
-  idea of PyTorch's `MemTracker`). It slows a step several times over, so the loop traces the
+  idea of PyTorch's `MemTracker`). Every operator then passes through Python, which slows a step
+  of the course's tiny models up to about three times, so the loop traces the
   first step and every `--trace_memory_every`-th; the others log no CPU peak;
 - the breakdown, every step: *model states*, the parameters, their gradients and the
   optimizer's state tensors this rank holds after the optimizer step (for FSDP2 the local shards
@@ -145,8 +146,8 @@ class MemoryMeter:
     def step(self, model, optimizer):
         """Around one whole step (forward, backward, clipping, the optimizer step): watch what
         forward saves for backward, and start a fresh whole-step peak. On a GPU the allocator's
-        counter costs nothing. On the CPU the peak needs `LiveTensors`, which slows a step several
-        times over, so only the first step and every `trace_every`-th after it are traced (0: the
+        counter costs nothing. On the CPU the peak needs `LiveTensors`, which slows a step up to
+        about three times, so only the first step and every `trace_every`-th after it are traced (0: the
         first only; a loop that times its steps leaves the first out anyway, as warm-up)."""
         self.saved.reset_peak()
         trace = self.device.type == "cpu" and (self.steps == 0 or self.trace_every and self.steps % self.trace_every == 0)
