@@ -115,14 +115,22 @@ if command -v nvidia-smi >/dev/null; then
            sed 's/^ *\([0-9]*\) \(.*\), \([^,]*\)$/\1 x \2, driver \3/' | paste -sd ';' -)
 fi
 versions=$(python -c '
-import torch
-nccl = "none"  # a CPU build of torch has no NCCL
-try:
-    nccl = ".".join(map(str, torch.cuda.nccl.version()))
-except Exception:
-    pass
-cuda = torch.version.cuda or "none"
-print(f"torch {torch.__version__}, CUDA {cuda}, NCCL {nccl}")' 2>&1 | tail -n 1)
+import importlib.util, pathlib, runpy
+# torch/version.py names the build (its version, CUDA or ROCm) without importing torch, which takes
+# seconds; only a GPU build has an NCCL (RCCL on ROCm) to ask, through torch, for the library it loads.
+spec = importlib.util.find_spec("torch")
+if spec is None:
+    raise SystemExit("no torch in this python")
+built = runpy.run_path(str(pathlib.Path(spec.origin).with_name("version.py")))
+nccl = "none"
+if built["cuda"] or built["hip"]:
+    import torch
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        pass
+version, cuda = built["__version__"], built["cuda"] or "none"
+print(f"torch {version}, CUDA {cuda}, NCCL {nccl}")' 2>&1 | tail -n 1)
 network=$(env | grep -E '^(NCCL_|GLOO_SOCKET_IFNAME=)' | sort | paste -sd ' ' -)
 echo "node ${SLURMD_NODENAME:-$(hostname)}: ${gpus:-nvidia-smi lists no GPU} | $versions${network:+ | $network}"
 EOF
