@@ -7,7 +7,7 @@ kill just before one of those saves' renames or fsyncs would leave is resumed, a
 would, and must give back bitwise the state saved at the step it resumes from: the step before the
 save, then the save's own, never an error. Where nothing was saved yet, a fresh start must be
 accepted instead. Bitwise state is what makes the rest of the run bitwise (`test_state.py` trains
-on from such states under torchrun and compares the losses).
+on from such states, left by SIGKILLed ranks, and compares the losses).
 """
 
 import pytest

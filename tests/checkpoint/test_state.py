@@ -1,16 +1,22 @@
 """Checkpoints: a run killed by a real signal resumes exactly; a broken checkpoint is refused.
 
-The interrupted runs are started with torchrun, as on a cluster, and stopped by signals sent to
-its processes: SIGKILL (a crash, an OOM kill, a node gone) in the middle of a save, or SIGTERM
-(what a scheduler sends before it kills), which torchrun forwards to its workers. The fault hook
-MINIDIST_PAUSE_AT holds every rank at a chosen point until the signal comes, so the tests do not
-race the training. The resumed runs go through `minidist.runtime.launch`, which returns what each rank
-measured, and are compared with an uninterrupted run of the same strategy: bitwise.
+The interrupted runs are stopped by real signals sent to their processes: SIGKILL (a crash, an
+OOM kill, a node gone) in the middle of a save, or SIGTERM (what a scheduler sends before it
+kills). One of them is started with torchrun, as on a cluster, and its SIGTERM goes to torchrun,
+which forwards it to its workers (`TORCHRUN`); the others run in the ranks of a
+`minidist.runtime.launch` (forked from its fork server, without the fresh interpreters that a
+torchrun costs), and the test sends the signal to every rank itself, as SLURM signals every task
+of a job step. Either way each rank runs the training script's `main`, as a torchrun worker does.
+The fault hook MINIDIST_PAUSE_AT holds every rank at a chosen point until the signal comes, so the
+tests do not race the training. The resumed runs go through `minidist.runtime.launch`, which
+returns what each rank measured, and are compared with an uninterrupted run of the same strategy:
+bitwise.
 """
 
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import threading
@@ -19,7 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from interrupted import few_games, interrupt_with_torchrun, wait_for_pauses  # noqa: F401 (wait_for_pauses: for the tests below)
+from interrupted import few_games, interrupt_with_torchrun, wait_until_gone
+from signalled_workers import run_until_signalled
 from train_workers import run_finetunes
 
 from minidist import finetune
@@ -28,7 +35,7 @@ from minidist.hf.models import load_model, load_tokenizer, write_tiny_llama
 from minidist.strategy.options import ParallelOptions
 from minidist.strategy import get_strategy
 from minidist.runtime.distributed import cleanup, init_distributed
-from minidist.runtime.launch import launch
+from minidist.runtime.launch import RankFailed, launch
 
 # The full suite only: fault injection: real runs killed and resumed, in several launches.
 pytestmark = pytest.mark.slow
@@ -44,6 +51,10 @@ CASES = {
     ("minidist", "fsdp"): ("sharded", signal.SIGKILL),
     ("minidist", "zero2"): ("full", signal.SIGTERM),
 }
+# The first run that torchrun starts (`interrupted.interrupt_with_torchrun`): its SIGTERM goes to
+# torchrun, which forwards it to its 2 workers. The others' ranks are a launch's, each signalled by
+# the test (`signal_launched_ranks`): a fresh torchrun costs its 3 interpreters' imports.
+TORCHRUN = [("torch", "ddp")]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +93,47 @@ def elsewhere_args(model, games, out, impl, world_size):
     return finetune_args(model, games, out, impl, "fsdp", "--resume", str(out / "checkpoint-6"), "--save_steps", "2")
 
 
+def signal_launched_ranks(argv, log: Path, how: signal.Signals, pause_at: str, timeout_s=240) -> dict:
+    """Run the training script with ARGV on the 2 ranks of a `launch`, send `how` to both once both
+    paused at `pause_at`, and wait until they are gone. `returncode`: after SIGKILL, the status
+    `launch` found the first dead rank with; after SIGTERM, the status the script exited with on
+    every rank (they must agree)."""
+    ended = {}
+
+    def run():  # in a thread: `launch` returns only when its ranks are gone
+        try:
+            ended["statuses"] = launch(run_until_signalled, 2, argv, pause_at, str(log), timeout_s=600)
+        except RankFailed as failed:
+            ended["returncode"], ended["report"] = failed.exitcode, failed.traceback
+
+    log.touch()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    pids, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(pids) < 2:
+            assert thread.is_alive(), f"the ranks ended before the pause: {ended}\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no pause within {timeout_s} s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+            pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\) paused at", log.read_text())]
+        for pid in pids:  # SIGKILL: everything dies at once, as in a crash
+            os.kill(pid, how)
+        thread.join(timeout=120)
+        wait_until_gone(pids)
+    finally:
+        for pid in pids:  # nothing outlives the test, whatever failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not thread.is_alive(), "launch did not return after its ranks were signalled"
+    assert how == signal.SIGKILL or "report" not in ended, ended.get("report")  # a stop, not a failure
+    if "statuses" in ended:
+        assert len(set(ended["statuses"])) == 1, ended["statuses"]
+        ended["returncode"] = ended["statuses"][0]
+    return {"returncode": ended.get("returncode"), "log": log.read_text(), "report": ended.get("report")}
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model, games, tmp_path_factory):
     """Per strategy, computed once: the uninterrupted run, and the interrupted-then-resumed one;
@@ -103,7 +155,10 @@ def runs(tiny_model, games, tmp_path_factory):
             argvs[(impl, strategy)] = argv = finetune_args(tiny_model, games, out, impl, strategy,
                                                            "--checkpoint_format", form, "--save_steps", "4")
             pause_at = "save:8" if how == signal.SIGKILL else "step:6"
-            first = interrupt_with_torchrun(argv, root / "torchrun.log", how, pause_at)
+            if (impl, strategy) in TORCHRUN:
+                first = interrupt_with_torchrun(argv, root / "torchrun.log", how, pause_at)
+            else:
+                first = signal_launched_ranks(argv, root / "ranks.log", how, pause_at)
             first["latest"] = (out / "latest").read_text().strip()
             first["folders"] = sorted(p.name for p in out.glob("checkpoint-*"))
             first["metrics_steps"] = metrics_steps(out)
@@ -140,7 +195,7 @@ def test_a_run_killed_by_a_signal_resumes_bitwise(runs, impl, strategy):
     if CASES[(impl, strategy)][1] == signal.SIGKILL:
         # Killed while step 8's shards were on disk but unpublished: latest still names step 4,
         # and the half-written folder is only a .tmp that nothing reads.
-        assert first["returncode"] == -signal.SIGKILL
+        assert first["returncode"] == -signal.SIGKILL, first.get("report")
         assert first["latest"] == "checkpoint-4"
         assert first["folders"] == ["checkpoint-4", "checkpoint-8.tmp"]
         assert first["metrics_steps"] == list(range(1, 9))  # logged before the kill: 5..8 must go
