@@ -1,29 +1,61 @@
 """The benchmarks run, on a model small enough for CI, and print what they promise: step-time
 ratios with their spread over rounds, and whole-step peak memory ratios, against PyTorch's own;
 the GPU check (`gpu --smoke`) runs its code on the CPU and writes its table, trace and timeline.
-(No test asserts a time: ratios are for people to read, on the machine they care about.)"""
+(No test asserts a time: ratios are for people to read, on the machine they care about.)
+
+Each command runs in the test's own process (`run_here`), its output, and its ranks', read at the
+file descriptors as a fresh interpreter's would be, saving that interpreter's start-up (importing
+torch and transformers again, some 4 CPU seconds each)."""
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import torch
+from transformers.utils import logging as hf_logging
+
+from minidist.bench import __main__ as bench_command
+from minidist.runtime import launch
 
 # The full suite only: the benchmarks, each launching its ranks.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num_layers", "2", "--batch_size", "2", "--seq_len", "16", "--warmup", "1", "--steps", "2", "--rounds", "2"]
 
 
-def test_one_size_on_one_world_size_prints_every_row_with_its_page_faults():
-    done = subprocess.run([sys.executable, "-m", "minidist.bench", "ddp", "--world_size", "2", "--hidden_size", "64",
-                           *SMALL], check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+def run_here(argv, capfd, starts_ranks: bool = False) -> tuple[int, str, str]:
+    """Run `python -m minidist.bench ARGV` in this process: its exit status (0: it returned), and
+    what it wrote to stdout and stderr, read at the file descriptors (C++ writes included) as
+    `subprocess.run(capture_output=True)` reads a fresh interpreter's. A command that `starts_ranks`
+    (`launch`) forks them from the fork server, and they write where the server's output goes: so
+    this process's fork server is forgotten first (`launch._fork_server_with` stops it and starts one
+    under the test's captured descriptors), as the fresh interpreter started its own, and forgotten
+    again after, so that later tests' ranks do not write into this test's closed capture. What the GPU
+    check sets for the whole process, the CPU threads and transformers' progress bars, is put back
+    after; the glibc settings `init_distributed` makes stay, as after `tests/in_process.py`'s runs of
+    the training script."""
+    threads, bars = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()
+    if starts_ranks:
+        launch._server_started_with = None
+    capfd.readouterr()  # only what the command writes counts
+    try:
+        bench_command.main(argv)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        torch.set_num_threads(threads)
+        hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()
+        if starts_ranks:  # its server writes to this test's descriptors, closed when the test ends:
+            launch._server_started_with = None  # the next launch starts one under the session's
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_one_size_on_one_world_size_prints_every_row_with_its_page_faults(capfd):
+    returncode, out, stderr = run_here(["ddp", "--world_size", "2", "--hidden_size", "64", *SMALL], capfd,
+                                       starts_ranks=True)
+    assert returncode == 0, stderr[-3000:]
     assert "on 2 x cpu (gloo)" in out and "vs torch (rounds)" in out and "faults/step" in out, out
     for row in ["naive DDP (minidist)", "bucketed DDP (minidist)", "DistributedDataParallel (torch)"]:
         line = next(line for line in out.splitlines() if line.startswith(row))
@@ -32,15 +64,14 @@ def test_one_size_on_one_world_size_prints_every_row_with_its_page_faults():
     for goal in ["bucketed / torch DDP, step:", "bucketed / torch DDP, peak:", "naive / bucketed DDP, step:"]:
         line = next(line for line in out.splitlines() if line.startswith(goal))
         assert re.search(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\), (at most|above) \d\.\d\dx: (met|missed)$", line), line
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in stderr
 
 
-def test_the_sweep_prints_each_size_goals_with_spread_and_page_faults():
-    done = subprocess.run([sys.executable, "-m", "minidist.bench", "fsdp", "--world_size", "1",
-                           "--hidden_size", "64", "128", *SMALL], check=False, capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+def test_the_sweep_prints_each_size_goals_with_spread_and_page_faults(capfd):
+    returncode, stdout, stderr = run_here(["fsdp", "--world_size", "1", "--hidden_size", "64", "128", *SMALL], capfd,
+                                          starts_ranks=True)
+    assert returncode == 0, stderr[-3000:]
+    lines = stdout.splitlines()
     header = next(line for line in lines if line.startswith("| hidden x layers | ranks |"))
     columns = [cell.strip() for cell in header.split("|")[1:-1]]
     assert columns == ["hidden x layers", "ranks", "minidist FSDP / FSDP2, step", "minidist FSDP / FSDP2, peak",
@@ -59,16 +90,16 @@ EVERY_SETUP = ["torch/ddp", "minidist/ddp", "minidist/zero1", "minidist/zero2", 
 RATIO = re.compile(r"\d+\.\d\dx")
 
 
-def test_the_gpu_check_runs_its_code_on_the_cpu_with_smoke(tmp_path):
+def test_the_gpu_check_runs_its_code_on_the_cpu_with_smoke(tmp_path, capfd, monkeypatch):
     out = tmp_path / "gpu_check"
     # As a rank of `torchrun --nproc_per_node 2` would be: torchrun sets OMP_NUM_THREADS=1 when it is unset.
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")}
-    done = subprocess.run([sys.executable, "-m", "minidist.bench", "gpu", "--smoke", "--out", str(out),
-                           "--ranks_per_node", "2"], check=False, capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=environ)
-    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    # In this process (`run_here`): the check is one rank of a world of one, and starts no other.
+    returncode, stdout, stderr = run_here(["gpu", "--smoke", "--out", str(out), "--ranks_per_node", "2"], capfd)
+    assert returncode == 0, stderr[-3000:]
     # A CPU rank first says how glibc keeps its freed blocks (`runtime/allocator.py`); the report follows.
-    said = done.stdout.splitlines()
+    said = stdout.splitlines()
     assert said[0].startswith("CPU rank: glibc keeps freed blocks"), said[:1]
     lines = said[1:]
     assert "torch " in lines[0] and "world size 1, gloo on cpu" in lines[1], lines[:2]
@@ -106,20 +137,22 @@ def test_the_gpu_check_runs_its_code_on_the_cpu_with_smoke(tmp_path):
     assert trace.stat().st_size > 0 and json.loads(trace.read_text())["traceEvents"]
     png = (out / "timeline_minidist_fsdp.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("case", ["no gpu", "out is a file"])
-def test_the_gpu_check_tells_a_mistake_in_one_line(tmp_path, case):
-    if case == "no gpu":  # hidden from the command (CUDA_VISIBLE_DEVICES below), so a GPU machine tests it too
+def test_the_gpu_check_tells_a_mistake_in_one_line(tmp_path, capfd, monkeypatch, case):
+    # In this process (`run_here`): the command stops before it starts anything. No GPU for the
+    # command (torch.cuda.is_available says none), so a GPU machine tests it too.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if case == "no gpu":
         args, said = ["--out", str(tmp_path)], "no CUDA GPU here: run with --smoke to check the command on CPU"
     else:
         (tmp_path / "file").write_text("")
         args, said = ["--smoke", "--out", str(tmp_path / "file")], "cannot make the folder --out"
-    done = subprocess.run([sys.executable, "-m", "minidist.bench", "gpu", *args], check=False, capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert done.returncode == 2 and said in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+    returncode, stdout, stderr = run_here(["gpu", *args], capfd)
+    assert returncode == 2 and said in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and not stdout
 
 
 def _zero2_bucket_sizes(hidden_size: int, num_layers: int) -> tuple[list[int], int]:
