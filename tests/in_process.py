@@ -1,19 +1,24 @@
 """The training script, or any command's main, run in the test's own process (no start-up of its own),
-for what it says when it stops: used by tests/loop, tests/checkpoint and tests/parallel."""
+for what it says when it stops: used by tests/loop, tests/checkpoint, tests/parallel and tests/bench."""
 
 import pytest
 
 from minidist import finetune
 
 
+def exit_status(main, argv) -> int:
+    """Call a command's `main(argv)` as `python -m` would: the status it exits with (0: it returned)."""
+    try:
+        main(argv)
+    except SystemExit as stop:
+        return stop.code
+    return 0
+
+
 def run_here(argv, capsys) -> tuple[int, str]:
     """Run `python -m minidist.finetune ARGV` here: its exit status (0: it returned) and its stderr."""
     capsys.readouterr()  # only what the script writes counts
-    try:
-        finetune.main(argv)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
+    code = exit_status(finetune.main, argv)
     return code, capsys.readouterr().err
 
 

@@ -12,6 +12,7 @@ the command start its fork server afresh, in the test, as the fresh interpreter 
 
 import pytest
 
+from in_process import exit_status
 from minidist.bench import __main__ as bench_command
 from minidist.runtime import launch
 
@@ -26,11 +27,9 @@ def test_the_allocator_bench_prints_its_table_and_draws_its_figure(tmp_path, cap
     launch._server_started_with = None
     capfd.readouterr()  # only what the command writes counts
     try:
-        bench_command.main(["allocator", "--sizes", "64", "--num_layers", "1", "--batch_size", "1", "--seq_len", "8",
-                            "--warmup", "1", "--steps", "1", "--rounds", "2", "--png", str(png)])
-        returncode = 0
-    except SystemExit as stop:
-        returncode = stop.code
+        returncode = exit_status(bench_command.main, ["allocator", "--sizes", "64", "--num_layers", "1", "--batch_size",
+                                                      "1", "--seq_len", "8", "--warmup", "1", "--steps", "1", "--rounds",
+                                                      "2", "--png", str(png)])
     finally:  # the last server writes to this test's descriptors, closed when it ends: the next launch
         launch._server_started_with = None  # starts one under the session's
     stdout, stderr = capfd.readouterr()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers.utils import logging as hf_logging
 
+from in_process import exit_status
 from minidist.bench import __main__ as bench_command
 from minidist.runtime import launch
 
@@ -39,10 +40,7 @@ def run_here(argv, capfd, starts_ranks: bool = False) -> tuple[int, str, str]:
         launch._server_started_with = None
     capfd.readouterr()  # only what the command writes counts
     try:
-        bench_command.main(argv)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
+        code = exit_status(bench_command.main, argv)
     finally:
         torch.set_num_threads(threads)
         hf_logging.enable_progress_bar() if bars else hf_logging.disable_progress_bar()
