@@ -12,7 +12,7 @@ taken exactly where it updates its peak.
 `step_timeline` runs one step as named phases (forward, backward, optimizer step, zero_grad)
 under the timeline, and returns the samples with each phase's start and end; `draw` puts the
 curves of several strategies on one figure, each on its own step's time, normalised to 0..1,
-because a step traced this way runs several times slower than an untraced one, and the
+because a step traced this way runs slower than an untraced one, and the
 strategies' steps differ in length: what a reader compares is the shape and the heights.
 """
 

@@ -6,8 +6,7 @@ executed by nbclient in a fresh `python3` kernel of this environment, from noteb
 workers_NN.py lives). They share one cache (`MINIDIST_CACHE`: the session's own where it names
 one, as CI's does, else a folder under pytest's temporary one): the tiny model is written once, and
 a model's trace on fake tensors (CodeLlama-7b's, t5-base's: `minidist/memory/cache.py`) is computed
-by the first notebook or test that needs it and read back by the others (notebook 00's four
-estimating cells: 156 s with an empty cache, 28 s with a warm one, on a busy 2-core machine). The
+by the first notebook or test that needs it and read back by the others. The
 executed copy stays in memory: the committed notebook keeps the outputs of a full run (re-run them
 all with the command in notebooks/README.md).
 
