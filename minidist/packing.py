@@ -35,6 +35,8 @@ length kernel on the rows flattened into one (`flatten_for_varlen`). `attention_
 path a run takes.
 """
 
+import functools
+
 import torch
 
 IGNORE = -100  # cross_entropy's ignore_index: no loss, no gradient
@@ -89,18 +91,72 @@ def split_rows(rows: list, parts: int) -> list[list]:
     return [rows[starts[a]:starts[a + 1]] for a in range(parts)]
 
 
+def positions(lengths: list[int], micro_batches: list[list[list[int]]]) -> int:
+    """The positions a rank computes for these micro-batches (rows of indices into `lengths`): each
+    micro-batch is its rows times the width of its longest row (`packed_width`), an empty one a row
+    of padding (`collate_packed`)."""
+    total = 0
+    for rows in micro_batches:
+        row_lengths = [sum(lengths[i] for i in row) for row in rows]
+        total += max(1, len(rows)) * packed_width(row_lengths)
+    return total
+
+
+CAPACITIES = 64  # row capacities tried per rank and step (`rows_for`)
+
+
+def rows_for(lengths: list[int], accumulation: int, max_seq_length: int) -> list[list[list[int]]]:
+    """One rank's games (their `lengths`) packed into rows and cut into `accumulation` micro-batches,
+    with the row capacity that computes the fewest positions.
+
+    A micro-batch is as wide as its longest row, so filling rows to `max_seq_length` is not always
+    best: with a few games per rank, first-fit decreasing into rows of 128 may leave one row at 128
+    and another at 90, all padded to 128, where rows of 100 would hold the same games with less
+    padding. So the capacity is searched: every width from the longest game up to `max_seq_length`
+    (and no more than all the games together, which fit one row), or `CAPACITIES` of them evenly
+    spaced when there are more, each packed by first-fit decreasing (`pack_rows`) and cut into the
+    micro-batches (`split_rows`), and the one with the fewest positions (`positions`) kept (ties:
+    the narrowest). A row never exceeds `max_seq_length`, and the result depends on the lengths
+    alone, so every rank computes every rank's rows without communication. (Wider rows cost more
+    attention, quadratic in the row's width; counting positions leaves that out, as at these
+    lengths the MLPs and the output layer dominate.)"""
+    if not lengths:
+        return split_rows([], accumulation)
+    low, high = max(lengths), min(max_seq_length, sum(lengths))
+    if high - low + 1 <= CAPACITIES:
+        capacities = range(low, high + 1)
+    else:
+        capacities = sorted({low + round(k * (high - low) / (CAPACITIES - 1)) for k in range(CAPACITIES)})
+    best = None
+    for capacity in capacities:
+        micro_batches = split_rows(pack_rows(lengths, capacity), accumulation)
+        cost = positions(lengths, micro_batches)
+        if best is None or cost < best[0]:
+            best = (cost, micro_batches)
+    return best[1]
+
+
 def layout(lengths: list[int], world_size: int, accumulation: int, max_seq_length: int) -> list[list[list[list[int]]]]:
     """How a global batch of games (their `lengths`, in the sampler's order) is computed packed: for
     each data-parallel rank, its `accumulation` micro-batches, each a list of rows, each a list of
     positions in the global batch. The games are balanced over the ranks by tokens
-    (`balance_ranks`), each rank packs its own into rows (`pack_rows`), and its rows are cut into
-    the micro-batches (`split_rows`). Every rank runs the same number of micro-batches, as the
-    pipeline's schedule and no_sync need: a rank with fewer rows than that gets empty micro-batches
-    (one row of padding each: `collate_packed`)."""
+    (`balance_ranks`), and each rank packs its own into rows of the capacity that leaves the least
+    padding, cut into the micro-batches (`rows_for`). Every rank runs the same number of
+    micro-batches, as the pipeline's schedule and no_sync need: a rank with fewer rows than that
+    gets empty micro-batches (one row of padding each: `collate_packed`).
+
+    The loop asks twice a step, for its micro-batches (`step.assemble_micro_batches`) and for the
+    step's record (`step.step_token_counts`); the answer for the same step is kept, not searched again."""
+    kept = _layout(tuple(lengths), world_size, accumulation, max_seq_length)
+    return [[[list(row) for row in rows] for rows in rank] for rank in kept]  # a copy: the kept one stays as found
+
+
+@functools.lru_cache(maxsize=2)
+def _layout(lengths: tuple, world_size: int, accumulation: int, max_seq_length: int) -> list:
     per_rank = []
-    for share in balance_ranks(lengths, world_size):
-        rows = [[share[k] for k in row] for row in pack_rows([lengths[i] for i in share], max_seq_length)]
-        per_rank.append(split_rows(rows, accumulation))
+    for share in balance_ranks(list(lengths), world_size):
+        micro_batches = rows_for([lengths[i] for i in share], accumulation, max_seq_length)
+        per_rank.append([[[share[k] for k in row] for row in rows] for rows in micro_batches])
     return per_rank
 
 

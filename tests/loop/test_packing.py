@@ -152,6 +152,24 @@ def test_first_fit_decreasing_places_games_whole_and_refuses_a_longer_one():
         packing.pack_rows([11], 10)
 
 
+def test_the_row_capacity_is_the_one_with_the_fewest_positions():
+    """Rows filled to --max_seq_length are not always best: [6, 5, 4, 3] by first-fit decreasing into
+    rows of 10 is [6, 4] and [5, 3], two rows padded to 10 (20 positions); rows of 9 hold [6, 3] and
+    [5, 4], no padding at all (18). Over random games, the capacity found never computes more
+    positions than rows of --max_seq_length, and no row is longer than it."""
+    assert packing.layout([6, 5, 4, 3], 1, 1, 10) == [[[[0, 3], [1, 2]]]]
+    generator = torch.Generator().manual_seed(0)
+    for case in range(50):
+        lengths = torch.randint(2, 60, (int(torch.randint(1, 24, (), generator=generator)),), generator=generator).tolist()
+        accumulation, longest = 1 + case % 3, 60 + 7 * (case % 10)
+        for rank in packing.layout(lengths, 2, accumulation, longest):
+            mine = sorted(i for rows in rank for row in rows for i in row)
+            filled = packing.split_rows(packing.pack_rows([lengths[i] for i in mine], longest), accumulation)
+            widths = [[sum(lengths[mine[k]] for k in row) for row in rows] for rows in filled]
+            assert all(sum(lengths[i] for i in row) <= longest for rows in rank for row in rows)
+            assert packing.positions(lengths, rank) <= sum(max(1, len(w)) * packing.packed_width(w) for w in widths)
+
+
 @pytest.mark.parametrize("world, micro, accumulation", [(2, 1, 4), (1, 2, 2), (4, 1, 2)])
 def test_a_step_keeps_every_game_once_balanced_and_the_same_micro_batches_on_every_rank(games, world, micro,
                                                                                             accumulation):
@@ -249,3 +267,22 @@ def test_a_packed_run_resumes_exactly(tiny_model, tmp_path, monkeypatch, capsys)
                 for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
     assert records(tmp_path / "stopped") == records(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("impl, varlen, refused", [("torch", True, True), ("torch", False, False),
+                                                   ("minidist", True, False)])
+def test_only_pytorchs_pipeline_refuses_flash_attentions_flattened_rows(impl, varlen, refused):
+    """The pipeline axis says what it cannot take (`Axis.check_packing`): PyTorch's schedules cut one
+    batch into micro-batches by rows, and flash-attention's varlen micro-batches are one row each."""
+    from types import SimpleNamespace
+
+    from minidist.strategy.options import ParallelOptions
+    from minidist.strategy.pipeline import PipelineAxis
+
+    axis = PipelineAxis(ParallelOptions(impl=impl, pp_size=2), SimpleNamespace(is_main=True),
+                        SimpleNamespace(pp_size=2, pp_group=None))
+    if refused:
+        with pytest.raises(ValueError, match="flash-attention and PyTorch's pipeline"):
+            axis.check_packing(varlen)
+    else:
+        axis.check_packing(varlen)
