@@ -178,7 +178,7 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     session.catch_stop_signals()  # from here SIGTERM/SIGUSR1/SIGINT mean: save after this step, stop
 
     model, config, num_params, model_name = _model(args, env, strategy, lora_options)
-    games.pack = _packing(args, config, env, games)  # how the batches are packed; None without --pack
+    games.pack = _packing(args, config, env, games, strategy)  # how the batches are packed; None without --pack
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, args.warmup_steps, args.max_steps))
     session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
@@ -312,25 +312,27 @@ def _check_pack(args) -> None:
     packing.attention_path(models.build_on_meta(args.model).config._attn_implementation)
 
 
-def _packing(args, config, env, games: "Games") -> Packing | None:
+def _packing(args, config, env, games: "Games", strategy) -> Packing | None:
     """With `--pack`: how the batches are packed, and two lines at the start (rank 0): the attention
     path (`packing.choose_attention`: flash-attention's varlen on a GPU that has it) and how many
     games `tokenize_games` cut to --max_seq_length (a row holds whole games of at most that many
-    tokens, so those are packed as cut). Flash-attention's varlen rows with PyTorch's pipeline are
-    refused in one line: its stages cut the step's batch into micro-batches by rows."""
+    tokens, so those are packed as cut). What an axis cannot take is refused in one line
+    (`strategy.check_packing`: PyTorch's pipeline, with flash-attention's varlen rows)."""
     if not args.pack:
         return None
     implementation = packing.choose_attention(config, env.device, half=args.mixed_precision != "fp32")
-    if packing.ATTENTION_PATHS[implementation] == "varlen" and args.pp_size > 1 and args.impl == "torch":
-        raise UsageError("--pack with flash-attention and PyTorch's pipeline has not been built: its stages cut one "
-                         "batch into equal micro-batches by rows, and varlen's are one row each; use --impl minidist")
+    varlen = packing.ATTENTION_PATHS[implementation] == "varlen"
+    try:
+        strategy.check_packing(varlen)
+    except ValueError as err:
+        raise UsageError(err) from err
     eos = games.tokenizer.eos_token_id
     cut = sum(1 for seq in games.sequences if seq[-1] != eos)  # an uncut game ends with EOS (tokenize_games)
     if env.is_main:
         print(packing.describe_attention(implementation))
         print(f"--pack: {cut} of {len(games.sequences)} games are longer than --max_seq_length {args.max_seq_length} "
               f"tokens and are truncated to it (tokenize_games), then packed whole")
-    return Packing(args.max_seq_length, varlen=packing.ATTENTION_PATHS[implementation] == "varlen")
+    return Packing(args.max_seq_length, varlen=varlen)
 
 
 def _token_counts(games: Games, step: int, strategy, micro_bs: int) -> dict:

@@ -35,6 +35,10 @@ class Axis:
         memory) cannot be cut this way with `options`, before anything is loaded: from the options
         alone, before the process groups exist (a model that cannot be cut is told first)."""
 
+    def check_packing(self, varlen: bool) -> None:
+        """Raise ValueError, in one sentence, if this cut cannot take `--pack`'s micro-batches: rows
+        with a block-diagonal mask, or (`varlen`) flash-attention's rows flattened into one."""
+
     def cut(self, model, strategy=None):
         """This rank's part of `model`, cut in place or new."""
         return model

@@ -124,6 +124,12 @@ class Strategy:
         for kind in self.axis_classes():  # before the mesh: the model's own limits are told first
             kind.check_model(self.options, models.build_on_meta(name_or_path))
 
+    def check_packing(self, varlen: bool) -> None:
+        """Raise ValueError, in one sentence, if an axis cannot take `--pack`'s micro-batches
+        (`varlen`: flash-attention's rows flattened into one, `packing.flatten_for_varlen`)."""
+        for axis in self.axes:
+            axis.check_packing(varlen)
+
     def load_model(self, name_or_path: str) -> nn.Module:
         """Every rank loads the whole model (in fp32, on the CPU); `wrap` moves or shards it."""
         from minidist.hf import models

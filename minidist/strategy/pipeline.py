@@ -86,6 +86,11 @@ class PipelineAxis(Axis):
     def check_model(options, meta_model) -> None:
         Stage(meta_model, 0, options.pp_size)  # refuses what cannot be cut: a layer each at least, untied embeddings
 
+    def check_packing(self, varlen: bool) -> None:
+        if varlen and self.options.impl == "torch":
+            raise ValueError("--pack with flash-attention and PyTorch's pipeline has not been built: its stages cut one "
+                             "batch into equal micro-batches by rows, and varlen's are one row each; use --impl minidist")
+
     def cut(self, model, strategy=None):
         """This rank's stage of `model` (a Hugging Face Llama, maybe already cut by tensor
         parallelism); the rest of the model goes with the caller's reference to it."""
