@@ -1,11 +1,12 @@
-"""--resume honours what the user changes, or refuses it in one line (issue 30, point 3).
+"""--resume honours what the user changes, or refuses it in one line.
 
 A checkpoint is the state of one run: its weights, its Adam moments, its learning-rate schedule
 and its place in the data. A resume with another training file, sequence length, warm-up, step
 count or model shape would go on as if it were the same run, and silently train something no
 command describes. So each of them is refused in one line that names the setting and both values.
 The learning rate is the one change a user needs after a divergence: an explicit `--learning_rate`
-rescales the saved schedule, in a line that says so, and the steps after it train with it.
+rescales the saved schedule, in a line that says so, and the steps after it train with it. `--pack`
+may change: a step computes the same games, padded or packed, so the run goes on as the same run.
 
 One rank, 64 games, the 64-wide tiny Llama: the checks are about what a checkpoint records.
 """
@@ -144,6 +145,31 @@ def test_a_resume_without_learning_rate_keeps_the_saved_schedule(tiny_model, gam
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     args = type("Args", (), {"warmup_steps": 1, "max_steps": 3})
     assert lrs == pytest.approx([2e-3 * lr_schedule(s, args.warmup_steps, args.max_steps) for s in range(3)])
+
+
+def test_pack_may_change_on_resume_the_steps_compute_the_same_games(tiny_model, games, tmp_path, monkeypatch,
+                                                                    capsys):
+    """A run stopped after step 1 without --pack, resumed with it: steps 2 and 3 take the same games
+    (the sampler's place is in the checkpoint) and their losses are those of the same resume without
+    --pack, up to the order of the sums (packed rows add the same terms in another order)."""
+    def argv(out, *extra):  # games of up to 96 tokens: few are cut, so rows of several games pad less
+        line = common(tiny_model, games["games"], out, *extra)
+        line[line.index("--max_seq_length") + 1] = "96"
+        return line
+
+    padded = tmp_path / "padded"
+    stopped_after_step_1(argv(padded), tmp_path / "stop", monkeypatch, capsys)
+    packed = tmp_path / "packed"
+    shutil.copytree(padded, packed)
+    for out, extra in ((padded, []), (packed, ["--pack"])):
+        code, err = run_here(argv(out, "--resume", *extra), capsys)
+        assert code == 0, err
+    records = {out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+               for out in (padded, packed)}
+    assert [r["step"] for r in records[packed]] == [1, 2, 3]
+    assert [r["tokens"] for r in records[packed]] == [r["tokens"] for r in records[padded]]  # the same games
+    assert [r["loss"] for r in records[packed]] == pytest.approx([r["loss"] for r in records[padded]], rel=1e-5)
+    assert sum(r["padded_tokens"] for r in records[packed]) < sum(r["padded_tokens"] for r in records[padded])
 
 
 def test_a_wider_gpt2_is_refused_in_one_line_naming_its_size(games, tmp_path, monkeypatch, capsys):
