@@ -43,7 +43,11 @@ def main(argv=None) -> None:
     p.add_argument("--target_length", type=int, default=0,
                    help="an encoder-decoder's target tokens (T5, BART); by default as many as --max_seq_length")
     p.add_argument("--no_padding", dest="padded", action="store_false",
-                   help="packed or unpadded batches: SDPA needs no mask (by default the loop's right-padded batches)")
+                   help="unpadded batches, every sequence --max_seq_length long: SDPA needs no mask (by default the "
+                        "loop's right-padded batches)")
+    p.add_argument("--pack", dest="packed", action="store_true",
+                   help="as minidist.finetune's: --batch_size_per_device rows of --max_seq_length tokens, games packed "
+                        "whole, with the block-diagonal mask and each game's position ids")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="gloo (CPU ranks) copies what FSDP2 and ZeRO-1 reduce-scatter; nccl (GPUs) does not")
     p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
@@ -68,7 +72,7 @@ def main(argv=None) -> None:
     options = {f.name: getattr(args, f.name) for f in fields(ParallelOptions)}  # zero1/2: always minidist
     with one_line_errors("minidist.memory", ValueError, NotImplementedError, FileNotFoundError):
         sizes = ("world_size", "batch_size_per_device", "max_seq_length", "gradient_accumulation_steps", "backend", "padded",
-                 "target_length")
+                 "packed", "target_length")
         lora.check(lora.LoraOptions.from_args(args))  # --lora_rank 0: one line, as in the loop
         setup = estimator.setup(**{name: getattr(args, name) for name in sizes}, **options, lora_rank=args.lora_rank or 0,
                                 lora_target_modules=args.lora_target_modules, lora_dropout=args.lora_dropout or 0.0)

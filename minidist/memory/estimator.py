@@ -192,6 +192,8 @@ class Setup:
     batch_size_per_device: int = 1
     max_seq_length: int = 512
     padded: bool = True  # right-padded batches: SDPA gets (and saves) a mask
+    packed: bool = False  # `--pack`: batch_size_per_device rows of max_seq_length tokens, games packed whole, each
+    # attending to itself (the block-diagonal mask, per-game position ids: trace.packed_batch_for)
     target_length: int = 0  # an encoder-decoder's target tokens (0: as many as max_seq_length, the source)
     gradient_accumulation_steps: int = 1  # from the second micro-batch on, gradients are there in forward
     backend: str = "nccl"  # or "gloo" (CPU ranks), which copies what it reduce-scatters (moments.py)
@@ -263,26 +265,28 @@ def model_states(shape: Shape, setup: Setup) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, lora: tuple, batch: int):
+def _traced(config_json: str, config_class, mode: str, seq: int, padded: bool, target: int, lora: tuple, packed: bool,
+            batch: int):
     """One trace, kept on disk (`cache.py`): lessons and tests estimate CodeLlama-7b in many processes."""
     def run():
         config = config_class.from_dict(json.loads(config_json))
         adapt = lora_terms.adapt(lora, mode) if lora else None  # LoRA's adapters in the trace
-        result = trace.trace(config, batch, seq, mode, padded, target_seq=target or None, adapt=adapt)
+        result = trace.trace(config, batch, seq, mode, padded, target_seq=target or None, adapt=adapt, packed=packed)
         return {attribute.name: getattr(result, attribute.name) for attribute in fields(result)
                 if attribute.name != "storages"}
     key = dict(config=config_json, mode=mode, seq=seq, padded=padded, target=target, batch=batch,
-               **({"lora": lora} if lora else {}))
+               **({"lora": lora} if lora else {}), **({"packed": True} if packed else {}))
     return trace.Trace(**cache.cached("trace", key, run))
 
 
-def traced(shape: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0, lora: tuple = ()) -> dict:
+def traced(shape: Shape, mode: str, seq: int, padded: bool, batch: int, target: int = 0, lora: tuple = (),
+           packed: bool = False) -> dict:
     """The trace at any batch from two (batch 1 and 2): each term is a + b x (per sequence).
     Cached, so `largest_batch`'s dozen estimates cost two traces."""
     if shape.config is None:
         raise ValueError(f"the shape of {shape.name!r} carries no config to trace: build it with model_shape")
     key = (shape.config.to_json_string(use_diff=False), type(shape.config), mode, seq, padded,
-           target if shape.is_encoder_decoder else 0, lora)
+           target if shape.is_encoder_decoder else 0, lora, packed)
     one, two = _traced(*key, 1), _traced(*key, 2)
 
     def at(at_one, at_two):  # term by term, at this batch
@@ -300,7 +304,8 @@ def activations(shape: Shape, setup: Setup) -> dict:
     mode, batch, seq = compute_mode(setup), setup.batch_size_per_device, setup.max_seq_length
     residual_bytes = 2 if mode == "bf16" else 4  # the residual stream: bf16 weights make it bf16
     tokens = batch * seq
-    traced_terms = traced(shape, mode, seq, setup.padded, batch, setup.target_length, lora_terms.trace_key(setup))
+    traced_terms = traced(shape, mode, seq, setup.padded, batch, setup.target_length, lora_terms.trace_key(setup),
+                          setup.packed)
     sp = setup.options.sequence_parallel  # the norms, and a checkpointed layer's input, on s / tp tokens
     traced_terms = tensor_parallel.sequence_parallel(traced_terms, tp) if sp else traced_terms
     # What the logits cover: an encoder-decoder's targets, a decoder's every token.
@@ -384,3 +389,6 @@ def check_setup(setup: Setup) -> None:
         raise ValueError(f"--max_seq_length must be at least 2, got {setup.max_seq_length}")
     if setup.target_length and setup.target_length < 2:
         raise ValueError(f"--target_length must be at least 2, got {setup.target_length}")
+    if setup.packed and not setup.padded:
+        raise ValueError("--pack and --no_padding name two kinds of batch: packed rows have a mask, unpadded ones "
+                         "none; pass one of them")

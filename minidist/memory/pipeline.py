@@ -79,18 +79,22 @@ def stage_shape(shape: estimator.Shape, rank: int, pp: int) -> estimator.Shape:
                                              for m in stage.modules()))
 
 
-def trace_stage(config, rank: int, pp: int, batch: int, seq: int, mode: str = "fp32", padded: bool = True) -> dict:
+def trace_stage(config, rank: int, pp: int, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
+                packed: bool = False) -> dict:
     """What stage `rank` of `pp` keeps for one micro-batch of `batch` x `seq` tokens until its
     backward, traced on fake tensors (module doc): `saved` by autograd (its layers', each on its own
     in `layers`, what several of them share, and what is outside them), `weight_copies` (autocast's),
-    and `held`, the received input and the output that the executor keeps besides."""
+    and `held`, the received input and the output that the executor keeps besides. `packed`:
+    `--pack`'s rows (`trace.packed_batch_for`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, trace._as_the_real_run(padded):
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, trace._as_the_real_run(padded or packed):
         model = trace.build(config, mode)
         stage = stages.Stage(model, rank, pp)
-        data = {k: fake.from_tensor(v) for k, v in trace.batch_for(batch, seq, padded, config.vocab_size).items()}
-        if not padded:  # as `trace.trace`: the real run reads the all-ones mask and drops it
+        data = (trace.packed_batch_for(batch, seq, config.vocab_size) if packed
+                else trace.batch_for(batch, seq, padded, config.vocab_size))
+        data = {k: fake.from_tensor(v) for k, v in data.items()}
+        if not padded and not packed:  # as `trace.trace`: the real run reads the all-ones mask and drops it
             data["attention_mask"] = None
         dtype = next(stage.parameters()).dtype  # the executor receives in the stage's dtype
         received = None if stage.is_first else torch.empty(batch, seq, config.hidden_size, dtype=dtype,
@@ -112,9 +116,10 @@ def per_micro_batch(shape: estimator.Shape, setup: estimator.Setup, rank: int, p
 
     def at(batch):
         key = {"config": config_json, "rank": rank, "pp": pp, "mode": mode, "seq": seq, "padded": setup.padded,
-               "batch": batch}
+               "batch": batch, **({"packed": True} if setup.packed else {})}
         return cache.cached("pipeline_stage", key, lambda: trace_stage(
-            type(shape.config).from_dict(json.loads(config_json)), rank, pp, batch, seq, mode, setup.padded))
+            type(shape.config).from_dict(json.loads(config_json)), rank, pp, batch, seq, mode, setup.padded,
+            setup.packed))
     one, two, b = at(1), at(2), setup.batch_size_per_device
     terms = {name: one[name] + (b - 1) * (two[name] - one[name]) for name in ("shared", "outside", "weight_copies",
                                                                             "held")}

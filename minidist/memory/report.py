@@ -104,6 +104,7 @@ def format_report(r: dict) -> str:
              + ("sequence parallel, " if u["sequence_parallel"] else "")
              + f"{u['mixed_precision']}, batch "
              f"{u['batch_size_per_device']} x {u['max_seq_length']} tokens per device"
+             + (" (packed rows: the block-diagonal mask)" if u.get("packed") else "" if u["padded"] else " (unpadded)")
              + (f" > {u['target_length']} target tokens" if u["target_length"] else "")
              + (", activation checkpointing" if u["gradient_checkpointing"] else "")
              + ("" if u["layer_wrap_policy"] or u["strategy"] != "fsdp" else ", no layer wrap policy"), ""]

@@ -213,6 +213,18 @@ def batch_for(batch: int, seq: int, padded: bool, vocab_size: int, make=torch.ra
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def packed_batch_for(batch: int, seq: int, vocab_size: int) -> dict:
+    """`--pack`'s micro-batch as `packing.collate_packed` makes it: `batch` rows of `seq` tokens, each
+    holding two games (the first half of the row and the rest), with each game's own position ids,
+    labels of -100 at each game's first token, and the 4-D block-diagonal causal mask. What a row
+    saves depends on its shape alone, not on where its games end or on its tokens."""
+    from minidist import packing
+
+    games = [[token % vocab_size for token in range(n)] for n in (seq // 2, seq - seq // 2) if n]
+    data = packing.collate_packed([games] * batch, pad_token_id=0)
+    return {name: data[name] for name in ("input_ids", "labels", "position_ids", "attention_mask")}
+
+
 def seq2seq_loss_sum(model, batch: dict, strategy) -> torch.Tensor:
     """`step.token_loss_sum` for an encoder-decoder: the decoder reads the labels shifted right
     (the model's own `prepare_decoder_input_ids_from_labels`: a start token, -100 as padding), so
@@ -274,14 +286,16 @@ def build(config, mode: str = "fp32", attn_implementation: str | None = None):
 
 
 def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
-          attn_implementation: str | None = None, target_seq: int | None = None, adapt=None) -> Trace:
+          attn_implementation: str | None = None, target_seq: int | None = None, adapt=None,
+          packed: bool = False) -> Trace:
     """What one micro-batch of `batch` x `seq` tokens saves for backward, traced on fake tensors.
 
     config: a transformers config (`estimator.load_config` reads one from a folder or hub name);
     mode: fp32, bf16 (bf16 weights) or autocast (bf16 matmuls over fp32 weights);
     attn_implementation: None takes what transformers picks for the config, as the run does;
     target_seq: an encoder-decoder's target length (default `seq`); a causal LM has none;
-    adapt: what changes the built model before it runs (LoRA's adapters: `lora_terms.adapt`)."""
+    adapt: what changes the built model before it runs (LoRA's adapters: `lora_terms.adapt`);
+    packed: `--pack`'s rows (`packed_batch_for`), with their mask and position ids (`padded` unused)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if mode not in MODES:
@@ -289,16 +303,21 @@ def trace(config, batch: int, seq: int, mode: str = "fp32", padded: bool = True,
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     if seq2seq and getattr(config, "decoder_start_token_id", None) is None:  # the labels shifted right start with it
         raise ValueError(f"cannot trace {config.model_type!r}: its config names no decoder_start_token_id")
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _as_the_real_run(padded, seq2seq):
+    if packed and seq2seq:
+        raise ValueError(f"--pack packs the games of a causal LM; {config.model_type!r} is an encoder-decoder")
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, _as_the_real_run(padded or packed, seq2seq):
         try:
             model = build(config, mode, attn_implementation)
         except ValueError as err:
             raise ValueError(f"cannot trace {config.model_type!r}: transformers builds no causal or seq2seq LM from it "
                              f"({str(err).strip().splitlines()[0][:120]})") from err
         target_seq = (target_seq or seq) if seq2seq else None
-        data = batch_for(batch, seq, padded, config.vocab_size, target_seq=target_seq)
+        if packed:
+            data = packed_batch_for(batch, seq, config.vocab_size)
+        else:
+            data = batch_for(batch, seq, padded, config.vocab_size, target_seq=target_seq)
         data = {k: fake.from_tensor(v) for k, v in data.items()}
-        if not padded:  # all ones: the real run reads it and drops it, which a fake tensor cannot be read for
+        if not padded and not packed:  # all ones: the real run reads it and drops it, which a fake tensor cannot be read for
             data["attention_mask"] = None
         model = adapt(model) if adapt else model
         if not decoder_layers(model):

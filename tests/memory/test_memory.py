@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from memory_workers import train_each
 from minidist.memory import __main__ as memory_command
+from minidist import packing
 from minidist.memory import estimator, measure, report, trace
 from minidist.step import token_loss_sum
 from minidist.runtime.launch import launch
@@ -59,6 +60,10 @@ def peak_cases(world_size: int) -> list:
         cases += [("minidist", "fsdp", ["--model", "qwen2_moe"]), ("torch", "fsdp", ["--model", "mixtral", "--mixed_precision", "bf16"]),
                   ("torch", "ddp", ["--model", "mistral", "--mixed_precision", "bf16"]), ("minidist", "zero2", ["--model", "gpt_neox"]),
                   ("minidist", "ddp", ["--model", "gpt2", "--gradient_checkpointing"])]
+        # --pack: rows with the block-diagonal mask and per-game position ids (every game is cut to
+        # SEQ tokens here, so a micro-batch is BATCH rows of SEQ, the shape the estimate takes)
+        cases += [("minidist", "fsdp", ["--pack", "--gradient_checkpointing"]),
+                  ("torch", "ddp", ["--pack", "--mixed_precision", "bf16"])]
     return cases
 
 
@@ -117,7 +122,8 @@ def test_the_loop_measures_what_the_estimate_says(weighty_model, architectures, 
         assert len(measured["peak"]) == world_size and records[-1]["peak_memory_bytes"] == max(measured["peak"])
         options = {"bucket_cap_mb": float(flag(extra, "--bucket_cap_mb", 0))} if "--bucket_cap_mb" in extra else {}
         setup = estimator.setup(strategy=name, world_size=world_size, batch_size_per_device=BATCH, max_seq_length=SEQ,
-                                mixed_precision=flag(extra, "--mixed_precision", "fp32"), impl=impl, padded=False,
+                                mixed_precision=flag(extra, "--mixed_precision", "fp32"), impl=impl,
+                                padded="--pack" in extra, packed="--pack" in extra,
                                 layer_wrap_policy="--no_layer_wrap_policy" not in extra,
                                 gradient_checkpointing="--gradient_checkpointing" in extra, backend="gloo",
                                 gradient_accumulation_steps=int(flag(extra, "--gradient_accumulation_steps", 1)), **options)
@@ -147,11 +153,12 @@ def llamas(tmp_path_factory):
     return {"wide": str(wide), "gqa": str(root / "gqa")}
 
 
-def measure_saved(folder, batch, seq, checkpointing, precision, padded):
+def measure_saved(folder, batch, seq, checkpointing, precision, padded, packed=False):
     """Forward and backward of the loop's own loss, under the saved-tensor tracker: the peak in bytes.
 
     precision: fp32; autocast (bf16 matmuls over fp32 weights, as DDP runs bf16); bf16 (bf16
-    weights, as FSDP2's bf16 all-gather computes)."""
+    weights, as FSDP2's bf16 all-gather computes). packed: `--pack`'s rows, each of three games
+    (`packing.collate_packed`: the mask, per-game position ids)."""
     model = load_model(folder)
     model.train()
     if checkpointing:  # as finetune.py does it
@@ -165,9 +172,15 @@ def measure_saved(folder, batch, seq, checkpointing, precision, padded):
     if padded:
         attention_mask[-1, seq // 2:] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
+    data = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if packed:
+        lengths = (seq // 3, seq // 2, seq - seq // 3 - seq // 2)
+        rows = [[torch.randint(5, 900, (n,)).tolist() for n in lengths] for _ in range(batch)]
+        data = packing.collate_packed(rows, pad_token_id=0)
+        del data["document_ids"]  # the loop's micro-batch carries it; the model does not take it
     tracker = measure.SavedActivations()
     with tracker:
-        token_loss_sum(model, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}, strategy).backward()
+        token_loss_sum(model, data, strategy).backward()
     assert tracker.current == 0  # backward let go of everything it saved
     return tracker.peak
 
@@ -237,6 +250,21 @@ def test_saved_activations_match_the_estimate(llamas, name, batch, seq, checkpoi
                             max_seq_length=seq, gradient_checkpointing=checkpointing, padded=padded)
     estimate = estimator.activations(estimator.model_shape(llamas[name]), setup)
     # Under autocast the bf16 weight copies are saved by the linear layers: the hooks see them.
+    want = estimate["saved"] + estimate["weight_copies"]
+    assert abs(measured - want) <= 0.05 * want, f"measured {measured}, estimated {want:.0f}"
+
+
+@pytest.mark.parametrize("batch,seq,checkpointing,precision", [(2, 64, False, "fp32"), (2, 64, False, "autocast"),
+                                                               (2, 128, False, "bf16"), (4, 32, True, "fp32")])
+def test_packed_activations_match_the_estimate(llamas, batch, seq, checkpointing, precision):
+    """`--pack`'s rows (three games each) save the block-diagonal mask and per-row position ids
+    (the rotary cos and sin are then per row too): `estimator.setup(packed=True)` traces them
+    (`trace.packed_batch_for`, two games a row: where the games end changes no shape)."""
+    measured = measure_saved(llamas["wide"], batch, seq, checkpointing, precision, padded=True, packed=True)
+    setup = estimator.setup(strategy="ddp" if precision == "autocast" else "fsdp",
+                            mixed_precision="fp32" if precision == "fp32" else "bf16", batch_size_per_device=batch,
+                            max_seq_length=seq, gradient_checkpointing=checkpointing, packed=True)
+    estimate = estimator.activations(estimator.model_shape(llamas["wide"]), setup)
     want = estimate["saved"] + estimate["weight_copies"]
     assert abs(measured - want) <= 0.05 * want, f"measured {measured}, estimated {want:.0f}"
 
@@ -354,6 +382,7 @@ def test_an_unknown_model_without_network_ends_with_one_line():
     (["/no/such/model"], "could not read the config of '/no/such/model'"),
     (["codellama/CodeLlama-7b-hf", "--world_size", "0"], "--world_size must be at least 1"),
     (["codellama/CodeLlama-7b-hf", "--max_seq_length", "1"], "--max_seq_length must be at least 2"),
+    (["codellama/CodeLlama-7b-hf", "--pack", "--no_padding"], "--pack and --no_padding name two kinds of batch"),
     (["codellama/CodeLlama-7b-hf", "--gpu_memory", "lots"], "--gpu_memory must look like 80GB"),
     (["codellama/CodeLlama-7b-hf", "--target_length", "128"], "--target_length is for encoder-decoders (T5, BART)"),
     (["google-t5/t5-base", "--target_length", "1"], "--target_length must be at least 2"),
@@ -411,15 +440,18 @@ def test_the_command_estimates_every_family_from_its_config_folder(tmp_path, cap
     assert estimator.model_shape(str(tmp_path / "bart")).num_layers == 4  # both stacks, not the decoder alone
 
 
-def test_no_padding_drops_the_mask(tmp_path, capsys):
-    """Packed or unpadded batches (`--no_padding`): no attention mask is saved, so less than padded."""
+def test_no_padding_drops_the_mask_and_pack_keeps_one_per_row(tmp_path, capsys):
+    """Unpadded batches (`--no_padding`): no attention mask is saved, so less than padded. Packed rows
+    (`--pack`): a block-diagonal mask of rows x s x s, and the rotary cos and sin per row (each row
+    has its own position ids), so more than unpadded."""
     family_configs()["llama"].save_pretrained(tmp_path)
     argv = [str(tmp_path), "--max_seq_length", "256", "--batch_size_per_device", "4", "--json"]
-    memory_command.main(argv)
-    padded = json.loads(capsys.readouterr().out)["bytes"]["activations"]
-    memory_command.main(argv + ["--no_padding"])
-    unpadded = json.loads(capsys.readouterr().out)["bytes"]["activations"]
-    assert unpadded < padded
+    found = {}
+    for kind, extra in (("padded", []), ("unpadded", ["--no_padding"]), ("packed", ["--pack"])):
+        memory_command.main(argv + extra)
+        found[kind] = json.loads(capsys.readouterr().out)["bytes"]["activations"]
+    assert found["unpadded"] < found["padded"] and found["unpadded"] < found["packed"], found
+    unpadded = found["unpadded"]
     shape = estimator.model_shape(str(tmp_path))
     assert unpadded == estimator.estimate(shape, estimator.setup(batch_size_per_device=4, max_seq_length=256, padded=False))["activations"]
 
