@@ -6,14 +6,19 @@ minidist: each run is the real training loop, `minidist.finetune.train`, with th
 would type (`--batch_size_per_device`, `--gradient_accumulation_steps`), and hands back what the
 loop logged. The one experiment the loop has no flag for, accumulating *without* `no_sync`, swaps
 the strategy's `no_sync` for a context that does nothing, for that run only, and says so.
+
+`draw_packing_mask`, section 5's figure (`lessons/figures/03_packing_mask.png`), runs in the
+notebook's own process, not on ranks: the mask of a packed row as `packing.document_mask` makes it,
+beside the causal mask of the same row without it.
 """
 
 import contextlib
 from unittest import mock
 
+import torch
 import torch.distributed as dist
 
-from minidist import strategy
+from minidist import packing, strategy
 
 import training
 
@@ -77,3 +82,63 @@ def _one(model_dir, data_path, total_batch, b, sync_once, steps, seq_len, lr, n)
     return {"batch_size_per_device": b, "accumulation": accumulation, "no_sync": sync_once,
             "records": records, "parameters": params, "log": log,
             "timings": [(r["step_time_s"], r["tokens"]) for r in records[1:]]}
+
+
+def draw_packing_mask(rows: list[list[list[int]]], pad_token_id: int, row: int = 0, png=None):
+    """Row `row` of the micro-batch `packing.collate_packed(rows, pad_token_id)` makes, as two 2-D
+    masks, query positions down, key positions across, each cell filled where the query may attend
+    to the key. Left, `packing.document_mask` of the row's document ids: one causal triangle per
+    game, and each padding token seeing itself. Right, the causal mask of the whole row over its real
+    tokens, which is what the model computes with the position ids reset and no document mask: the
+    cells where a game sees the games before it are red. The lines are the games' boundaries."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    batch = packing.collate_packed(rows, pad_token_id)
+    docs, positions = batch["document_ids"][row], batch["position_ids"][row]
+    mask = packing.document_mask(batch["document_ids"])[row, 0]
+    s = docs.numel()
+    real = docs != packing.PADDING
+    causal = torch.ones(s, s, dtype=torch.bool).tril() & real[:, None] & real[None, :]
+    other_game = causal & (docs[:, None] != docs[None, :])
+    # 0: no attention, 1: attends within its game, 2: attends to another game, 3: padding sees itself, 4: padding
+    padding = ~real[:, None] | ~real[None, :]
+    left = torch.where(mask, torch.where(real[:, None], 1, 3), torch.where(padding, 4, 0))
+    right = torch.where(other_game, 2, torch.where(causal, 1, torch.where(padding, 4, 0)))
+    colors = ListedColormap(["white", "tab:blue", "tab:red", "lightsteelblue", "0.88"])
+    games = [(int(d), int((docs == d).nonzero()[0]), int((docs == d).nonzero()[-1]) + 1)
+             for d in docs.unique().tolist() if d != packing.PADDING]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 7.2))
+    titles = ("packing.document_mask: block-diagonal causal",
+              "position ids reset, no document mask: causal over the row")
+    for ax, cells, title in zip(axes, (left, right), titles):
+        ax.imshow(cells.numpy(), cmap=colors, vmin=-0.5, vmax=4.5)
+        ax.set_xticks(range(s), [str(int(p)) if real[k] else "pad" for k, p in enumerate(positions)], fontsize=7)
+        ax.set_yticks(range(s), [str(int(p)) if real[k] else "pad" for k, p in enumerate(positions)], fontsize=7)
+        ax.set_xticks([k - 0.5 for k in range(s + 1)], minor=True)
+        ax.set_yticks([k - 0.5 for k in range(s + 1)], minor=True)
+        ax.grid(which="minor", color="0.75", lw=0.4)
+        ax.tick_params(which="minor", length=0)
+        for d, start, end in games:
+            for edge in (start, end):
+                ax.axvline(edge - 0.5, color="black", lw=1.4)
+                ax.axhline(edge - 0.5, color="black", lw=1.4)
+        ax.set_xlabel("key position j (its position id)")
+        ax.set_ylabel("query position i (its position id)")
+        top = ax.secondary_xaxis("top")
+        top.set_xticks([(start + end - 1) / 2 for _, start, end in games], [f"game {d}" for d, _, _ in games],
+                       fontsize=9)
+        top.tick_params(length=0)
+        ax.set_title(title, fontsize=10)
+    fig.legend(handles=[Patch(fc="tab:blue", label="attends (its own game, j <= i)"),
+                        Patch(fc="tab:red", label="attends to another game: the leak the mask prevents"),
+                        Patch(fc="lightsteelblue", label="padding sees itself alone (no softmax over nothing)"),
+                        Patch(fc="0.88", ec="0.7", label="padding (labels -100: no loss)")],
+               loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig.suptitle(f"one packed row: {len(games)} games of {', '.join(str(e - b) for _, b, e in games)} tokens, "
+                 f"then {int((~real).sum())} padding tokens (row {row} of collate_packed's micro-batch)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.96))
+    if png:
+        fig.savefig(png, dpi=100)
+    return fig

@@ -1,12 +1,14 @@
 """The checks behind the self-checking exercises (`lessons/exercises/`), run in each rank by `launch`.
 
 `check(exercise, sources)` starts the exercise's ranks once and runs, in each, the exercise's
-check on every source in turn: a path to a learner's file (a copy of a skeleton), or "minidist"
-for minidist's own implementation under the skeleton's names. Each check runs the source inside
+check on every source in turn (an exercise with no ranks, the packing mask's, runs in the caller's
+process): a path to a learner's file (a copy of a skeleton), or "minidist" for minidist's own
+implementation under the skeleton's names. Each check runs the source inside
 minidist's own classes and compares with what does not depend on the file being checked: the
 library's all-reduce (01), a plain copy of the model whose gradients the library averages (02,
 04 in fp32), one process on the whole global batch (03), the unsharded model's loss (05), the whole
-block in one process (11), the whole Llama trained in one process (12); and with
+block in one process (11), the whole Llama trained in one process (12), a cell-by-cell definition
+of the packing mask and each game's attention alone (03's mask); and with
 minidist's own implementation beside it where only it knows the answer (ZeRO's bf16 step, FSDP's
 gradient shards and bytes). It also watches what a right answer must do besides the numbers: the
 bytes sent, when a bucket's all-reduce starts, how much gathered memory stays alive. What
@@ -40,11 +42,12 @@ from minidist.parallel import comm
 
 ROOT = Path(__file__).resolve().parents[2]
 SKELETONS = ROOT / "lessons" / "exercises"
-# exercise -> (ranks, what the check runs, the names a source must define)
+# exercise -> (ranks, what the check runs, the names a source must define); 0 ranks: in the caller's process
 EXERCISES = {
     "01_ring_all_reduce": (3, "the ring all-reduce on 3 gloo ranks", ("ring_all_reduce",)),
     "02_bucket_hook": (2, "bucketed DDP's gradient hook on 2 gloo ranks", ("BucketedDDP",)),
     "03_accumulation": (2, "train_step with 3 micro-batches on 2 gloo ranks", ("train_step",)),
+    "03_packing_mask": (0, "the packing mask on 6 layouts of packed rows, in this process", ("document_mask",)),
     "04_zero2_step": (2, "ZeRO-2's step on 2 gloo ranks, fp32 and bf16", ("ShardedOptimizer",)),
     "05_fsdp_gather_free": (2, "FSDP's gather and free on 2 gloo ranks", ("Unit",)),
     "11_tensor_parallel": (2, "the backward of tensor parallelism's f on 2 gloo ranks", ("CopyToTensorParallel",)),
@@ -62,7 +65,7 @@ def skeleton(exercise: str) -> Path:
 
 def exercise_of(path: Path) -> str:
     """Which exercise a learner's file answers: its `EXERCISE = "..."` line (read, not run), or
-    the lesson number its name starts with."""
+    the exercise's name its own name starts with, or the lesson number (the lesson's first exercise)."""
     try:
         tree = ast.parse(path.read_text(), str(path))
     except (OSError, SyntaxError) as e:
@@ -71,6 +74,9 @@ def exercise_of(path: Path) -> str:
         if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EXERCISE" for t in node.targets)
                 and isinstance(node.value, ast.Constant) and node.value.value in EXERCISES):
             return node.value.value
+    for name in EXERCISES:
+        if path.name.startswith(name):
+            return name
     for name in EXERCISES:
         if path.name.startswith(name[:3]):
             return name
@@ -86,6 +92,11 @@ def check(exercise: str, sources: list[str], timeout_s: float = 240) -> list[str
 
     world, _, _ = EXERCISES[exercise]
     sources = [s if s == "minidist" else str(Path(s).resolve()) for s in sources]
+    if world == 0:  # a check of one function on tensors: here, no ranks to start
+        import warnings
+
+        with warnings.catch_warnings():  # run_checks' filter stays inside this call
+            return [_verdict([problems], ranked=False) for problems in run_checks(exercise, sources)]
     # A rank stuck in a collective that its peer never joins fails after a minute, not the default half hour.
     with mock.patch.dict(os.environ, MINIDIST_TIMEOUT_S="60"):
         try:
@@ -98,16 +109,17 @@ def check(exercise: str, sources: list[str], timeout_s: float = 240) -> list[str
     return [_verdict([ranks[i] for ranks in per_rank]) for i in range(len(sources))]
 
 
-def _verdict(by_rank: list[dict]) -> str | None:
-    """The first problems, each with its rank, one of each kind, and how many more there were. A
-    rank that raised comes first, the earliest first: its peers' errors ("connection closed") follow from it."""
+def _verdict(by_rank: list[dict], ranked: bool = True) -> str | None:
+    """The first problems, each with its rank (`ranked`; a check without ranks has none), one of each
+    kind, and how many more there were. A rank that raised comes first, the earliest first: its
+    peers' errors ("connection closed") follow from it."""
     order = sorted(range(len(by_rank)), key=lambda r: (by_rank[r]["raised_at"] is None, by_rank[r]["raised_at"] or 0, r))
-    problems = [f"rank {rank}: {p}" for rank in order for p in by_rank[rank]["problems"]]
+    problems = [f"rank {rank}: {p}" if ranked else p for rank in order for p in by_rank[rank]["problems"]]
     if not problems:
         return None
     seen, shown, repeats = set(), [], 0
     for p in problems:  # one of each kind (the same hint, or the same sentence on another rank)
-        key = p.split("Hint: ", 1)[1] if "Hint: " in p else p.split(": ", 1)[1]
+        key = p.split("Hint: ", 1)[1] if "Hint: " in p else (p.split(": ", 1)[1] if ranked else p)
         if key in seen:
             repeats += 1
         elif len(shown) < 3:
@@ -116,7 +128,7 @@ def _verdict(by_rank: list[dict]) -> str | None:
     others = len(problems) - len(shown) - repeats
     more = [f"{repeats} more of the same kinds" if repeats else "", f"{others} more of other kinds" if others else ""]
     more = "; ".join(m for m in more if m)
-    return "\n".join(shown) + (f"\n({more}, on this rank or others)" if more else "")
+    return "\n".join(shown) + (f"\n({more}{', on this rank or others' if ranked else ''})" if more else "")
 
 
 # ---------------------------------------------------------------------------------- in each rank
@@ -174,6 +186,9 @@ def _own(name: str):
     if name == "one_f_one_b":
         from minidist.parallel.pipeline.schedules import one_f_one_b
         return one_f_one_b
+    if name == "document_mask":
+        from minidist.packing import document_mask
+        return document_mask
     from minidist.parallel.fsdp import Unit
     return Unit
 
@@ -593,6 +608,155 @@ def check_accumulation(load_solution) -> list[str]:
     return problems
 
 
+# ---------------------------------------------------------------------------------- 03: the packing mask
+# (what the layout is, its document ids): rows as `packing.collate_packed` numbers them, 1, 2, ... for
+# the games of a row and 0 for the padding after them
+MASK_LAYOUTS = [
+    ("one game", [[1, 1, 1, 1, 1]]),
+    ("three games", [[1, 1, 1, 2, 2, 3, 3, 3, 3]]),
+    ("two games, then padding", [[1, 1, 1, 1, 2, 2, 2, 0, 0, 0]]),
+    ("a row of padding alone", [[0, 0, 0, 0]]),
+    ("a game of one token", [[1, 2, 2, 2, 3, 0]]),
+    ("three rows", [[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]]),
+]
+ATTENTION_ROW = [1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0]  # the row the attention check runs
+# The kinds of wrong cell, in the order a message names them, each with its hint.
+MASK_HINTS = {
+    "future": ("a token sees only itself and the tokens before it: key j <= query i, the causal mask "
+               "(torch.tril) and the same-game test together"),
+    "other game": ("resetting the position ids is not enough: the key must belong to the query's own game, "
+                   "document_ids[..., i] == document_ids[..., j], or a game attends to the games before it in "
+                   "the row, which the same game alone never sees"),
+    "diagonal": ("a token sees itself: j <= i, not j < i (torch.tril(), not tril(-1)); with j < i a game's first "
+                 "token would see nothing at all, and the rest would not see themselves"),
+    "padding sees nothing": ("a query that sees no key is a softmax over nothing, 0/0, whose result is the "
+                             "kernel's choice: let each padding token see itself (the diagonal, torch.eye)"),
+    "padding sees more": ("a padding token sees itself alone: document id 0 is not a game, so the same-game test "
+                          "must also ask that the query is a real token (document_ids != 0)"),
+    "sees padding": "a real token never attends to padding: padding is no game's token (document id 0)",
+    "misses its game": "a token sees every token of its own game up to itself, not only some of them",
+}
+
+
+def _mask_by_definition(docs: list[list[int]]) -> torch.Tensor:
+    """The mask as the lesson defines it, cell by cell: query i sees key j iff j <= i and both are
+    tokens of the same game; a padding token (0) sees itself alone."""
+    s = len(docs[0])
+    out = torch.zeros(len(docs), 1, s, s, dtype=torch.bool)
+    for r, row in enumerate(docs):
+        for i in range(s):
+            for j in range(s):
+                out[r, 0, i, j] = i == j or (j < i and row[i] == row[j] != 0)
+    return out
+
+
+def _token(row: list[int], i: int) -> str:
+    """'game 2, its token 0' or 'padding' for position i of a row of document ids."""
+    if row[i] == 0:
+        return "padding"
+    return f"game {row[i]}, its token {i - row.index(row[i])}"
+
+
+def _wrong_cell_kind(row: list[int], i: int, j: int, got: torch.Tensor) -> str:
+    """Which mistake a wrong cell (query i, key j) of this row shows; `got` is the row's [s, s] mask."""
+    if got[i, j]:  # seen, and should not be
+        if row[i] == 0:
+            return "padding sees more"
+        if row[j] == 0:
+            return "sees padding"
+        return "future" if j > i else "other game"
+    if i == j and row[i] == 0:
+        return "padding sees more" if got[i].any() else "padding sees nothing"
+    return "diagonal" if i == j else "misses its game"
+
+
+def _mask_problems(name: str, docs: list[list[int]], got, expected: torch.Tensor) -> list[str]:
+    """What is wrong with one layout's mask, in one sentence: the first wrong cell of the first kind
+    (MASK_HINTS' order), expected against got, and how many cells are wrong."""
+    label = f"{name} (document_ids {docs if len(docs) > 1 else docs[0]})"
+    if not isinstance(got, torch.Tensor):
+        return [f"{label}: returned a {type(got).__name__}, not a tensor. Hint: return the [rows, 1, s, s] tensor of "
+                "booleans"]
+    if tuple(got.shape) != tuple(expected.shape):
+        return [f"{label}: the mask has shape {tuple(got.shape)}, expected (rows, 1, s, s) = {tuple(expected.shape)}. "
+                "Hint: the 1 is the heads' dimension, which SDPA broadcasts over every head (.unsqueeze(1)); without "
+                "it SDPA lines the rows up with the heads"]
+    if got.dtype != torch.bool:
+        return [f"{label}: the mask's dtype is {got.dtype}, expected torch.bool. Hint: a boolean mask says may attend "
+                "(True) or not; a float mask is added to the scores (0.0 and 1.0 would mask nothing): return "
+                "booleans, as comparisons and & | give them"]
+    wrong = (got != expected).nonzero().tolist()
+    if not wrong:
+        return []
+    kinds = {}
+    for r, _, i, j in wrong:
+        kinds.setdefault(_wrong_cell_kind(docs[r], i, j, got[r, 0]), (r, i, j))
+    kind = next(k for k in MASK_HINTS if k in kinds)
+    r, i, j = kinds[kind]
+    cells = got[0, 0].numel() * len(docs)
+    return [f"{label}: row {r}, query {i} ({_token(docs[r], i)}) and key {j} ({_token(docs[r], j)}): expected "
+            f"{bool(expected[r, 0, i, j])}, got {bool(got[r, 0, i, j])} ({len(wrong)} of {cells} cells wrong). "
+            f"Hint: {MASK_HINTS[kind]}"]
+
+
+def _attention_problems(document_mask) -> list[str]:
+    """A tiny attention (torch SDPA, 2 heads, float64) over one packed row with the learner's mask:
+    changing game 1's queries, keys and values must leave the other games' outputs unchanged, each
+    game's outputs must equal the game alone under plain causal attention, and nothing may be nan."""
+    row = ATTENTION_ROW
+    docs = torch.tensor([row])
+    mask = document_mask(docs.clone())
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, len(row), len(row)):
+        return []  # said by the mask's own check
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, len(row), 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    changed = [t.clone() for t in (q, k, v)]
+    first = docs[0] == 1
+    for t in changed:
+        t[:, :, first] = torch.randn(t[:, :, first].shape, generator=g, dtype=torch.float64)
+    out_changed = F.scaled_dot_product_attention(*changed, attn_mask=mask)
+    where = f"attention with your mask (torch SDPA on document_ids {row})"
+    problems = []
+    real = [i for i in range(len(row)) if row[i] != 0]
+    if not torch.isfinite(out[0, :, real]).all():
+        i = next(i for i in real if not torch.isfinite(out[0, :, i]).all())
+        problems.append(f"{where}: position {i} ({_token(row, i)}) came out nan. Hint: a token that sees no key, its "
+                        "own included, divides 0 by 0 in the softmax")
+    later = [i for i in real if row[i] != 1]
+    delta = (out_changed[0, :, later] - out[0, :, later]).abs().amax(dim=(0, 2))
+    if not (delta <= 1e-12).all():
+        i = later[int(delta.argmax())]
+        problems.append(f"{where}: changing game 1's tokens changed the output at position {i} ({_token(row, i)}) by "
+                        f"{float(delta.max()):.3g}. Hint: in a packed row the games must not see each other, or a "
+                        "game learns from whatever games happen to share its row")
+    for d in sorted(set(row) - {0}):
+        mine = [i for i in range(len(row)) if row[i] == d]
+        alone = F.scaled_dot_product_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], is_causal=True)
+        gap = (out[:, :, mine] - alone).abs().nan_to_num(float("inf")).amax()
+        if gap > 1e-10:
+            problems.append(f"{where}: the outputs of game {d} (positions {mine[0]} to {mine[-1]}) differ from the "
+                            f"same game alone under causal attention by {float(gap):.3g}. Hint: a packed game must "
+                            "compute exactly what it computes alone: the same keys, in the same causal order")
+            break
+    return problems
+
+
+def check_document_mask(load_solution) -> list[str]:
+    """The learner's `document_mask` on each layout of `MASK_LAYOUTS` against the mask by definition,
+    then the attention it gives (`_attention_problems`). In the caller's process: no ranks."""
+    document_mask = load_solution().document_mask
+    problems = []
+    for name, docs in MASK_LAYOUTS:
+        given = torch.tensor(docs)
+        got = document_mask(given)
+        if not torch.equal(given, torch.tensor(docs)):
+            problems.append(f"{name}: document_ids was changed in place. Hint: build the mask from comparisons, "
+                            "which make new tensors; leave the input as it came")
+        problems += _mask_problems(name, docs, got, _mask_by_definition(docs))
+    return problems + _attention_problems(document_mask)
+
+
 # ---------------------------------------------------------------------------------- 04: ZeRO-2's step
 def check_zero2_step(load_solution) -> list[str]:
     from minidist.strategy.options import ADAMW_OPTIONS
@@ -873,6 +1037,7 @@ def _held_problems(held: int, actions: list, m: int, rank: int, pp: int) -> list
     return [f"{said}. Hint: alternate one forward and one backward after the warm-up of p - 1 - rank forwards"]
 
 CHECKS = {"01_ring_all_reduce": check_ring, "02_bucket_hook": check_bucket_hook, "03_accumulation": check_accumulation,
+          "03_packing_mask": check_document_mask,
           "04_zero2_step": check_zero2_step, "05_fsdp_gather_free": check_fsdp_gather_free,
           "11_tensor_parallel": check_copy_to_tp_backward, "12_pipeline_parallel": check_one_f_one_b}
 

@@ -11,7 +11,8 @@ Without the variable (CI), every check is proved both ways, nothing skipped: it 
 minidist's own implementation, fails against the committed blank skeleton (the blank's
 NotImplementedError, with the skeleton's line), and fails, with the message a learner needs,
 against plausible wrong solutions written below. All the sources of one exercise run in one
-launch of its ranks (`exercise_workers.check`), which keeps the file to a few launches.
+launch of its ranks (`exercise_workers.check`), which keeps the file to a few launches; the
+packing mask's check needs no ranks and runs in this process.
 """
 
 import os
@@ -22,7 +23,7 @@ import pytest
 
 from exercise_workers import EXERCISES, CheckError, check, exercise_of, skeleton
 
-# The full suite only: every exercise's check, each launching its ranks.
+# The full suite only: every exercise's check, each but one launching its ranks.
 pytestmark = pytest.mark.slow
 
 YOURS = os.environ.get("MINIDIST_EXERCISE")
@@ -56,6 +57,17 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):"""
+# document_mask as exercise 03's packing skeleton names it, the conditions built: each wrong solution
+# below returns its own combination of them.
+MASK_HEADER = """
+import torch
+
+def document_mask(document_ids):
+    s = document_ids.shape[-1]
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    real = (document_ids != 0)[:, :, None]
+    itself = torch.eye(s, dtype=torch.bool)"""
 WRONG = {
     "01_ring_all_reduce": {
         # Stops after the reduce-scatter: each rank holds one finished chunk.
@@ -202,6 +214,31 @@ def train_step(model, strategy, micro_batches, num_targets, world_size):
         loss_sum = loss_sum + loss.detach()
     return loss_sum
 """, ["1/2 of the whole batch's", "world_size / num_targets"]),
+    },
+    "03_packing_mask": {
+        # The same-game test without the causal one: a token sees the later tokens of its game.
+        "no_causality": (MASK_HEADER + """
+    return ((same & real) | itself).unsqueeze(1)
+""", ["key 1 (game 1, its token 1): expected False, got True", "key j <= query i",
+      "differ from the same game alone"]),
+        # Padding left out altogether: its query rows see nothing.
+        "padding_sees_nothing": (MASK_HEADER + """
+    return (same & causal & real).unsqueeze(1)
+""", ["query 7 (padding) and key 7 (padding): expected True, got False", "softmax over nothing"]),
+        # The position ids alone: one causal mask over the whole row, no same-game test.
+        "position_ids_alone": (MASK_HEADER + """
+    return ((causal & real) | itself).unsqueeze(1)
+""", ["query 3 (game 2, its token 0) and key 0 (game 1, its token 0)", "resetting the position ids is not enough",
+      "changing game 1's tokens changed the output"]),
+        # j < i: a token does not see itself (padding given its diagonal apart).
+        "diagonal_off_by_one": (MASK_HEADER + """
+    strict = torch.ones(s, s, dtype=torch.bool).tril(-1)
+    return ((same & strict & real) | (itself & ~real)).unsqueeze(1)
+""", ["query 0 (game 1, its token 0) and key 0 (game 1, its token 0): expected True, got False", "tril(-1)"]),
+        # No heads' dimension: [rows, s, s], which SDPA would line up with the heads.
+        "no_heads_dimension": (MASK_HEADER + """
+    return (same & causal & real) | itself
+""", ["shape (1, 5, 5), expected (rows, 1, s, s) = (1, 1, 5, 5)", "heads' dimension"]),
     },
     "04_zero2_step": {
         # Steps its shard, never all-gathers: each rank sees only its own shard move.
