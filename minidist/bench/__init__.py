@@ -1,5 +1,5 @@
 """Benchmarks: the hand-written strategies against PyTorch's own, as ratios; a collective's
-bandwidth; a pipeline's bubble; the GPU check.
+bandwidth; a pipeline's bubble; what sequence packing buys; the GPU check.
 
     python -m minidist.bench ddp        # naive DDP, bucketed DDP, torch DDP: hidden sizes 256 to 2048 on 1 and 2
                                         # CPU ranks, each goal's ratio with its spread, page faults per step
@@ -10,6 +10,9 @@ bandwidth; a pipeline's bubble; the GPU check.
     python -m minidist.bench allreduce  # all-reduce time, algbw and busbw per message size; 2 CPU ranks
     torchrun --nproc_per_node 4 -m minidist.bench allreduce   # the same on 4 GPUs (nccl)
     python -m minidist.bench bubble     # a pipeline's idle time per stage against (p - 1) / (m + p - 1): CPU ranks
+    python -m minidist.bench packing    # the training loop with and without --pack on 2 CPU ranks: real tokens/s,
+                                        # padding, the ratio against its bound; the padding of any tokenizer at
+                                        # the capstone's layout (--tokenizer tiny codellama/CodeLlama-7b-hf)
     python -m minidist.bench gpu        # the GPU check: every strategy on one GPU, in minutes
     python -m minidist.bench gpu --smoke  # the same code on the CPU, tiny sizes, in seconds
 
@@ -28,6 +31,10 @@ bandwidth; a pipeline's bubble; the GPU check.
   GPU. It writes `table.md`, a profiler trace of one FSDP step and its memory snapshot.
 - `bubble.py`: a pipeline's bubble measured: each stage's idle share of a step, on the host's clock and
   replayed on a core per stage, against (p - 1) / (m + p - 1) (lesson 12).
+- `packing.py`: `python -m minidist.finetune` itself with and without `--pack`, turn by turn: real tokens
+  per second from its `metrics.jsonl`, the padding's share, their ratio with its spread over the rounds,
+  and the bound, padded positions over packed ones; and, without training, the padding of a tokenizer's
+  games at a layout, counted by the loop's own `step.step_token_counts`.
 - `gpu_report.py`: the GPU check's table and its goals.
 - `gate.py`: which rows run on this GPU: those whose estimate, with a reserve, fits.
 - `offload.py`: the GPU check's rows with and without `--cpu_offload`; `threads.py`: the CPU

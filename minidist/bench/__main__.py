@@ -1,4 +1,4 @@
-"""`python -m minidist.bench ddp|fsdp|allreduce|gpu`: the command (see `__init__.py`)."""
+"""`python -m minidist.bench ddp|fsdp|allreduce|allocator|bubble|packing|gpu`: the command (see `__init__.py`)."""
 
 import os
 import sys
@@ -7,13 +7,16 @@ from pathlib import Path
 import torch
 
 from minidist import bench
-from minidist.bench import allocator, collectives, strategies, sweep
+from minidist.bench import allocator, collectives, packing, strategies, sweep
 from minidist.runtime.errors import ArgumentParser, fail
 
 # The least each flag can be (the flags a subcommand has): below it a run has nothing to time,
 # or never ends (a --factor of 1 never reaches --max_bytes).
 AT_LEAST = {"world_size": 1, "hidden_size": 1, "num_layers": 1, "batch_size": 1, "seq_len": 2, "warmup": 0,
-            "steps": 1, "rounds": 1, "iters": 1, "factor": 2, "min_bytes": 4, "ranks_per_node": 1}
+            "steps": 1, "rounds": 1, "iters": 1, "factor": 2, "min_bytes": 4, "ranks_per_node": 1,
+            # packing: a run of at least one step, rows of a token and its target (the loop's own minimum)
+            "max_steps": 1, "max_seq_length": 2, "layout_world_size": 1, "layout_batch_size_per_device": 1,
+            "layout_accumulation": 1, "layout_max_seq_length": 2, "layout_steps": 1}
 
 
 def check(parser, args) -> None:
@@ -25,6 +28,9 @@ def check(parser, args) -> None:
             parser.error(f"--{name} must be at least {least}")
     if getattr(args, "bucket_cap_mb", 1) <= 0:
         parser.error("--bucket_cap_mb must be more than 0")
+    if hasattr(args, "max_steps") and args.warmup >= args.max_steps:
+        parser.error(f"--warmup ({args.warmup}) must be less than --max_steps ({args.max_steps}): no step would be "
+                     "timed")
     if hasattr(args, "max_bytes") and args.max_bytes < args.min_bytes:
         parser.error(f"--max_bytes ({args.max_bytes}) must be at least --min_bytes ({args.min_bytes})")
     for hidden_size in getattr(args, "hidden_size", []):
@@ -79,6 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--png", default=None, help="draw the figure here (lesson 05: lessons/figures/05_allocator.png)")
+    packing_parser(commands)
     p = commands.add_parser("gpu", help="every strategy on one GPU: step time, MFU, peak memory against the estimate")
     p.add_argument("--smoke", action="store_true", help="the same code on the CPU with tiny sizes (a check of the command)")
     p.add_argument("--out", default="runs/bench_gpu",
@@ -94,10 +101,35 @@ def main(argv=None) -> None:
     if args.what == "allocator":
         allocator.main(args)
         return
+    if args.what == "packing":
+        packing.main(args)
+        return
     if args.what == "allreduce":
         collectives.bandwidth_main(args)
         return
     sweep.main(args)
+
+
+def packing_parser(commands) -> None:
+    """`packing`'s flags: the timed runs', then the arithmetic's (`packing.py`)."""
+    p = commands.add_parser("packing", help="the training loop with and without --pack: real tokens/s, padding, "
+                                            "their ratio against its bound; and any tokenizer's padding at a layout")
+    p.add_argument("--only", choices=("speed", "arithmetic"), default=None, help="one of the two parts (default both)")
+    p.add_argument("--world_size", type=int, default=2, help="CPU ranks of the timed runs")
+    p.add_argument("--model", default="tiny", help="the timed runs' model (minidist.finetune's --model)")
+    p.add_argument("--max_seq_length", type=int, nargs="+", default=[128, 256],
+                   help="one or more; the runs' rows (default: the loop's 128, and 256: no game cut)")
+    p.add_argument("--max_steps", type=int, default=12, help="steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="first steps of each run left untimed")
+    p.add_argument("--rounds", type=int, default=3, help="unpacked then packed, this many times")
+    p.add_argument("--tokenizer", nargs="+", default=["tiny"],
+                   help="one or more, for the arithmetic: `tiny` (the chess tokenizer), a cached hub name, a folder")
+    p.add_argument("--layout_world_size", type=int, default=4, help="the arithmetic's layout (default: "
+                   "slurm/chess_finetune.sh's, 4 ranks x 4 games x 2 micro-batches, rows of 512)")
+    p.add_argument("--layout_batch_size_per_device", type=int, default=4)
+    p.add_argument("--layout_accumulation", type=int, default=2)
+    p.add_argument("--layout_max_seq_length", type=int, default=512)
+    p.add_argument("--layout_steps", type=int, default=200, help="steps of the sampler's order counted")
 
 
 def gpu_main(args) -> None:
