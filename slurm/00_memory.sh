@@ -104,6 +104,7 @@ if ( NNODES=${SLURM_NNODES:-1} GRADIENT_ACCUMULATION_STEPS=$ACCUMULATION ACCUMUL
      [[ " ${STRATEGY[*]} " == *" --accumulate_sharded "* ]] ); then
     ESTIMATE+=(--accumulate_sharded)
 fi
+[[ ${PACK:-1} == 0 ]] || ESTIMATE+=(--pack)  # chess_finetune.sh packs the games unless PACK=0
 echo "lesson 00: the memory estimate for this run (python -m minidist.memory $MODEL ${ESTIMATE[*]}):"
 python -m minidist.memory "$MODEL" "${ESTIMATE[@]}"
 echo "lesson 00: now the run itself, $IMPL/$STRATEGY on $WORLD_SIZE GPU(s); on 1 A100-80GB expect CUDA out of memory in the first step"

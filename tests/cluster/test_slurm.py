@@ -313,6 +313,7 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
     # 8 = 2 per device x 2 ranks x 2 accumulation steps, computed by the script.
     assert "1 node(s) x 2 GPUs" in log and "total batch 8 = 2 x 2 x 2 accumulation" in log
     assert "minidist/fsdp on 2 x cpu" in log and "step    2/2" in log  # the hand-written FSDP by default
+    assert "--pack: sdpa with a block-diagonal causal mask" in log  # games packed into rows by default (PACK=1)
     assert "legal-move rate after training" in log
     # The model cache under SCRATCH, made by the script; one line for the node, no network variable
     # (the empty NCCL_SOCKET_IFNAME was not passed on); no GPU constraint asked for.
@@ -474,6 +475,12 @@ def test_a_bad_impl_is_one_line():
     done = run_script("chess_finetune.sh", IMPL="fsdp2")
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["error: IMPL=fsdp2 must be minidist (FSDP by hand) or torch (PyTorch's FSDP2)"]
+
+
+def test_a_bad_pack_is_one_line():
+    done = run_script("chess_finetune.sh", PACK="yes")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["error: PACK=yes must be 1 (whole games packed into rows) or 0 (every game padded)"]
 
 
 def test_the_site_set_up_is_slurm_site_sh_by_default_or_the_file_site_setup_names(tmp_path):
