@@ -110,9 +110,9 @@ def rows_for(lengths: list[int], accumulation: int, max_seq_length: int) -> list
     with the row capacity that computes the fewest positions.
 
     A micro-batch is as wide as its longest row, so filling rows to `max_seq_length` is not always
-    best: with a few games per rank, first-fit decreasing into rows of 128 may leave one row at 128
-    and another at 90, all padded to 128, where rows of 100 would hold the same games with less
-    padding. So the capacity is searched: every width from the longest game up to `max_seq_length`
+    best when a rank holds a few games: games of 6, 5, 4 and 3 tokens by first-fit decreasing into
+    rows of 10 are [6, 4] and [5, 3], both padded to 10 (20 positions), where rows of 9 hold [6, 3]
+    and [5, 4] with no padding at all (18). So the capacity is searched: every width from the longest game up to `max_seq_length`
     (and no more than all the games together, which fit one row), or `CAPACITIES` of them evenly
     spaced when there are more, each packed by first-fit decreasing (`pack_rows`) and cut into the
     micro-batches (`split_rows`), and the one with the fewest positions (`positions`) kept (ties:
