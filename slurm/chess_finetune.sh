@@ -40,10 +40,10 @@
 # Packing (lesson 03): by default the script passes --pack: whole games are packed into rows of 512
 # tokens, each attending to itself alone (a block-diagonal mask; flash-attention's variable-length
 # kernel instead where the flash_attn package is installed), rather than each padded to the
-# longest game of its micro-batch. With Llama 2's tokenizer, which CodeLlama's extends by 16
-# infilling tokens, the bundled games take 342 tokens at the median (394 on average; 35.4% are
-# longer than 512 and cut); over this job's 200 steps 30.4% of the positions the GPUs compute are
-# padding without packing and 8.6% with it, so where time follows positions, as on GPUs at 7B,
+# longest game of its micro-batch. With Llama 2's tokenizer, whose 32,000 entries CodeLlama's
+# keeps (adding special tokens for infilling, 32,016 in all), the bundled games take 342 tokens at
+# the median (394 on average; 35.4% are longer than 512 and cut); over this job's 200 steps 30.4%
+# of the positions the GPUs compute are padding without packing and 8.6% with it, so where time follows positions, as on GPUs at 7B,
 # --pack computes the same games up to 1.31x faster (`python -m minidist.bench packing --only
 # arithmetic --tokenizer codellama/CodeLlama-7b-hf`, with the model cached; the figures here are
 # from Llama 2's vocabulary as llama.cpp ships it, the hub being out of reach where they were
