@@ -24,10 +24,10 @@
 # - Bytes between the stages per step: one micro-batch's hidden states each way per cut,
 #   4 x 512 x 4096 x 2 bytes (bf16) = 16.8 MB, m times: 67 MB forward and 67 MB back on one node, a
 #   fraction of FSDP's gathers (lesson 12's figure 12_bytes_per_step.png).
-# These short runs measure: they save no checkpoint (SAVE_STEPS=0; checkpoints of PyTorch's FSDP2
-# under a pipeline are not built yet) and no final model (--no_save), evaluate nothing
-# (--eval_prefixes 0: the legal-move rate generates through the stages, token by token, without a
-# cache), and are not requeued.
+# These short runs measure: they save no checkpoint (SAVE_STEPS=0, though PyTorch's FSDP2 under a
+# pipeline saves and resumes: tests/checkpoint/test_pipeline_checkpoints.py) and no final model
+# (--no_save), evaluate nothing (--eval_prefixes 0: the legal-move rate generates through the
+# stages, token by token, without a cache), and are not requeued.
 #
 # The run is slurm/chess_finetune.sh (srun, torchrun, rendezvous) with IMPL=torch, in OUTPUT_DIR;
 # chess_finetune.sh splits the total batch over the WORLD_SIZE / --pp_size data-parallel ranks, and

@@ -7,8 +7,9 @@ entry and a row-parallel exit (Megatron-LM, section 3, figure 3):
   heads, and attention runs head by head, so nothing is sent until o, row-parallel, sums the
   heads' contributions. With grouped-query attention several query heads share one key/value
   head: cutting both in the same order keeps each query head with its key/value head on the
-  same rank, so the tp size must divide the key/value heads too (Megatron would repeat them
-  instead; this refuses).
+  same rank, so the tp size must divide the key/value heads too, as Megatron-LM requires
+  (`num_query_groups_per_partition = divide(num_query_groups, world_size)` in its attention);
+  a size that does not is refused in one line.
 - **The MLP** is split through its inner width: gate and up column-parallel, the activation
   element by element, down row-parallel.
 - **The vocabulary** is split in the embedding, the head and the loss (`vocab.py`).
