@@ -91,14 +91,14 @@ def split_rows(rows: list, parts: int) -> list[list]:
     return [rows[starts[a]:starts[a + 1]] for a in range(parts)]
 
 
-def positions(lengths: list[int], micro_batches: list[list[list[int]]]) -> int:
+def positions(lengths: list[int], micro_batches: list[list[list[int]]], multiple: int = 1) -> int:
     """The positions a rank computes for these micro-batches (rows of indices into `lengths`): each
-    micro-batch is its rows times the width of its longest row (`packed_width`), an empty one a row
-    of padding (`collate_packed`)."""
+    micro-batch is its rows times the width of its longest row (`packed_width`, rounded up to a
+    multiple of `multiple`), an empty one a row of padding (`collate_packed`)."""
     total = 0
     for rows in micro_batches:
         row_lengths = [sum(lengths[i] for i in row) for row in rows]
-        total += max(1, len(rows)) * packed_width(row_lengths)
+        total += max(1, len(rows)) * packed_width(row_lengths, multiple)
     return total
 
 

@@ -114,13 +114,9 @@ def step_token_counts(sampler: GlobalBatchSampler, sequences: list[list[int]], s
         return packing.token_counts(per_rank)
     accumulation = sampler.accumulation_steps(world_size, micro_batch_size)
     lengths = [len(sequences[i]) for i in games]
-    per_rank = []
-    for rows_by_micro_batch in packing.layout(lengths, world_size, accumulation, pack.max_seq_length):
-        counts = []
-        for rows in rows_by_micro_batch:
-            row_lengths = [sum(lengths[k] for k in row) for row in rows]
-            counts.append((sum(row_lengths), max(1, len(rows)) * packing.packed_width(row_lengths, multiple)))
-        per_rank.append(counts)
+    per_rank = [[(sum(lengths[k] for row in rows for k in row), packing.positions(lengths, [rows], multiple))
+                 for rows in rows_by_micro_batch]
+                for rows_by_micro_batch in packing.layout(lengths, world_size, accumulation, pack.max_seq_length)]
     return packing.token_counts(per_rank)
 
 
