@@ -40,7 +40,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minidist import batches, packing
-from minidist.checkpoint import preemption, state
+from minidist.checkpoint import final_model, preemption, state
 from minidist.checkpoint.session import Session
 from minidist.chess import jsonl, legal_moves
 from minidist.chess.games import bundled_games
@@ -177,11 +177,11 @@ def _train(args, env, session: Session, around_train_step, around_step) -> dict:
     mesh = strategy.mesh  # every rank is a data-parallel rank; hsdp: shard x replicate groups (mesh.py)
     session.catch_stop_signals()  # from here SIGTERM/SIGUSR1/SIGINT mean: save after this step, stop
 
-    model, config, num_params, model_name = _model(args, env, strategy, lora_options)
+    model, config, num_params, model_name, model_bytes = _model(args, env, strategy, lora_options)
     games.pack = _packing(args, config, env, games, strategy)  # how the batches are packed; None without --pack
     optimizer = strategy.build_optimizer(model, args.learning_rate, args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_schedule(step, args.warmup_steps, args.max_steps))
-    session.follow(strategy, model, optimizer, scheduler, games.tokenizer)  # what a checkpoint saves
+    session.follow(strategy, model, optimizer, scheduler, games.tokenizer, args.max_steps, model_bytes)  # and the room
     say = print if env.is_main else _silent
     micro_bs, pad_token_id = args.batch_size_per_device, games.tokenizer.pad_token_id
     say(f"{model_name}: {num_params / 1e6:.1f}M parameters | {args.impl}/{args.strategy}{strategy.describe()} on "
@@ -350,11 +350,14 @@ def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
 
 def _model(args, env, strategy, lora_options: lora.LoraOptions):
     """The model as the strategy trains it, and what the log says of it: its config, its number of
-    parameters (LoRA's adapters not counted) and its class name."""
+    parameters (LoRA's adapters not counted) and its class name; and the bytes of the fine-tuned
+    model the run writes at the end (`_model_bytes`), for the disk check after the first step."""
     model = strategy.load_model(args.model)  # minidist FSDP: rank 0 only; the others get shapes
     config, num_params, model_name = model.config, models.num_parameters(model), type(model).__name__
+    written = num_params
     if lora.enabled(lora_options):  # the base frozen, adapters beside it, the same on every rank (lora.py)
         model = lora.apply(model, lora_options, args.seed)
+        written = sum(p.numel() for p in model.parameters() if p.requires_grad)  # meta tensors count too
         if env.is_main:
             print(lora.describe(model))
     if args.gradient_checkpointing:
@@ -363,7 +366,15 @@ def _model(args, env, strategy, lora_options: lora.LoraOptions):
     # from_pretrained hands back a model in eval mode. Training mode matters: transformers
     # recomputes layers (--gradient_checkpointing) only in it, and dropout, where a model has any.
     model.train()
-    return model, config, num_params, model_name
+    return model, config, num_params, model_name, _model_bytes(args, written)
+
+
+def _model_bytes(args, parameters: int) -> int:
+    """The fine-tuned model's bytes on disk: its parameters (with LoRA, the adapters alone:
+    `final_model.py`) in the dtype it is written in; 0 with --no_save."""
+    if args.no_save:
+        return 0
+    return parameters * final_model.saved_dtype(args.save_dtype, args.model).itemsize
 
 
 def _resumed(session: Session, log, scheduler, args, say) -> tuple[int, dict] | None:

@@ -15,6 +15,25 @@ def run_finetunes(argvs):
     return [run_finetune(argv) for argv in argvs]
 
 
+def run_finetunes_counting_checkpoints(argvs) -> list[int]:
+    """Several runs, as `run_finetunes`; for each, the checkpoint's bytes its disk check counted
+    (`minidist/checkpoint/disk_room.checkpoint_bytes`, once per start)."""
+    from minidist.checkpoint import disk_room
+
+    counted, count = [], disk_room.checkpoint_bytes
+
+    def counting(*args):
+        counted.append(count(*args))
+        return counted[-1]
+
+    disk_room.checkpoint_bytes = counting
+    try:
+        run_finetunes(argvs)
+    finally:
+        disk_room.checkpoint_bytes = count
+    return counted
+
+
 def run_finetunes_then_refusal(argvs, refused_argv) -> tuple[list, str | None]:
     """`run_finetunes(argvs)`, then the one line that a run stopping on a usage mistake says (None
     if it trains instead), in the same ranks."""

@@ -11,7 +11,10 @@ the order a run meets them:
 3. **The stop signals**, caught from then on (`catch_stop_signals`: `preemption.StopSignals`),
    until the model is written.
 4. **After every step** (`after_step`) the ranks vote on a stop, and save a checkpoint together
-   every `--save_steps` and when any of them was asked to stop (`state.Checkpointer`).
+   every `--save_steps` and when any of them was asked to stop (`state.Checkpointer`). After the
+   first step of each start, before any save, the disk is checked for room: a checkpoint's size,
+   counted from the state a save writes, times the number on the disk at once, and the model
+   (`disk_room.py`, one line; a run that will not fit stops there, not at its third save).
 5. **At the end**, the fine-tuned model (`write_final_model`: `final_model.py`); or, when a signal
    stopped the run, the line that says which checkpoint holds it all (`say_stopped`).
 
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from minidist.checkpoint import final_model, preemption, state
+from minidist.checkpoint import disk_room, final_model, preemption, state
 from minidist.checkpoint.output_dir import claimed
 from minidist.runtime.distributed import wait_for_rank0
 from minidist.runtime.errors import UsageError
@@ -46,6 +49,7 @@ class Session:
         self.run = self.resume_path = self.stop_signals = self.checkpoints = None
         self.stopped = None  # after a stop: the signal, the step and the checkpoint saved
         self.last = None  # the last step done: its number, data position, `extra` and checkpoint (None: unsaved)
+        self.room = None  # what `check_room` needs besides the state (`follow`), and whether it ran
         self._held = ExitStack()
 
     def __enter__(self) -> "Session":
@@ -69,10 +73,37 @@ class Session:
         save after this step, stop."""
         self.stop_signals = preemption.StopSignals()
 
-    def follow(self, strategy, model, optimizer, scheduler, tokenizer) -> None:
-        """What a checkpoint saves and a resume loads: the model, its optimizer and scheduler."""
+    def follow(self, strategy, model, optimizer, scheduler, tokenizer, max_steps: int, model_bytes: int) -> None:
+        """What a checkpoint saves and a resume loads: the model, its optimizer and scheduler; and
+        what the disk check after the first step needs besides: the run's last step and the bytes
+        of the fine-tuned model it writes at the end (0 with `--no_save`)."""
         self.checkpoints = state.Checkpointer(self.out, strategy, model, optimizer, scheduler, self.run, self.form,
                                               self.keep, tokenizer)
+        self.room = {"max_steps": max_steps, "model_bytes": model_bytes, "checked": False}
+
+    def check_room(self, step: int) -> None:
+        """A collective, once per start, after its first step (`step`): the checkpoint's size from
+        the state a save writes, then rank 0 compares what the rest of the run writes with the
+        output folder's free space (`disk_room.check`) and every rank learns the verdict: rank 0
+        prints the line (with `--save_steps`; without, only a stop would save, and the line is kept
+        for a run that does not fit), and every rank raises the same UsageError where it does not fit."""
+        checkpoint = disk_room.checkpoint_bytes(self.checkpoints.strategy, self.checkpoints.model,
+                                                self.checkpoints.optimizer)
+        self.room["checked"] = True
+        verdict = [None]
+        if self.env.is_main:
+            saves = disk_room.saves_left(step, self.room["max_steps"], self.save_steps)
+            try:
+                verdict = [("fits", disk_room.check(self.out, checkpoint, self.room["model_bytes"], saves, self.keep))]
+            except UsageError as err:
+                verdict = [("does not fit", str(err))]
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        fits, line = verdict[0]
+        if fits != "fits":
+            raise UsageError(line)
+        if self.env.is_main and self.save_steps:  # without --save_steps only a stop saves: silent when it fits
+            print(line)
 
     def resume(self) -> dict | None:
         """With `--resume`: load the checkpoint into the model, optimizer, scheduler and RNGs, say so
@@ -96,6 +127,8 @@ class Session:
         says so or any rank was asked to stop; True: stop now. A divergence on any rank ends the run
         on every rank, unsaved, in one line (`_diverged`)."""
         preemption.pause_if_asked("step", step)  # a test hook, idle unless MINIDIST_PAUSE_AT says so
+        if self.room is not None and not self.room["checked"]:  # the first step of this start: before any save
+            self.check_room(step)
         stop, anyone_diverged = self.stop_signals.agreed(self.env.device, diverged is not None)  # all ranks vote
         if anyone_diverged:
             self._diverged(step, diverged)
