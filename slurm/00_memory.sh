@@ -44,6 +44,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=1
 #SBATCH --cpus-per-task=8
+# --mem=0, all of the node's memory: DDP (the default here) reads the fp32 model on every rank, 27 GB each (chess_finetune.sh's header).
 #SBATCH --mem=0
 #SBATCH --time=00:30:00
 #SBATCH --output=%x-%j.out
@@ -67,7 +68,7 @@ MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
 STRATEGY=${STRATEGY:-ddp}
 IMPL=${IMPL:-torch}
 export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/00-memory-${SLURM_JOB_ID:-local}}
+outputs "00-memory-${SLURM_JOB_ID:-local}"  # OUTPUT_DIR, unless set: $SCRATCH/minidist/runs/00-memory-<job id>
 # As many ranks as chess_finetune.sh will start: the GPUs SLURM gave this node, times the nodes.
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 export GPUS_PER_NODE

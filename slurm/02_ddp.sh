@@ -38,6 +38,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
+# --mem=0, all of the node's memory: DDP reads the fp32 model on every rank, 4 x 27 = 108 GB (chess_finetune.sh's header).
 #SBATCH --mem=0
 #SBATCH --time=00:30:00
 #SBATCH --output=%x-%j.out
@@ -46,7 +47,8 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/02-ddp-${SLURM_JOB_ID:-local}}
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=02-ddp
 DDP_VARIANT=${DDP_VARIANT:-bucketed}
 
 # chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool

@@ -8,7 +8,7 @@
 #
 # Each job runs the hand-written FSDP (minidist/parallel/fsdp.py; a 7B model does not fit with
 # DDP, see lesson 02) in bf16 for 30 steps, with no evaluation, and logs per step in
-# OUTPUT_DIR=runs/03-accumulation-b<B>-<job id>/metrics.jsonl: `loss`, `step_time_s`,
+# OUTPUT_DIR=$SCRATCH/minidist/runs/03-accumulation-b<B>-<job id>/metrics.jsonl: `loss`, `step_time_s`,
 # `tokens_per_s`, `mfu`, `peak_memory_bytes`, `comm_bytes`. Compare the four jobs' files.
 #
 # Expected outcome (estimates: this project has not run this script on GPUs yet). Peaks from
@@ -45,7 +45,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -55,7 +55,8 @@ set -euo pipefail
 
 export TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/03-accumulation-b${BATCH_SIZE_PER_DEVICE}-${SLURM_JOB_ID:-local}}
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=03-accumulation-b${BATCH_SIZE_PER_DEVICE}
 
 # chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
 # folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).

@@ -38,6 +38,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
+# --mem=0, all of the node's memory: ZeRO reads the fp32 model on every rank, 4 x 27 = 108 GB (chess_finetune.sh's header).
 #SBATCH --mem=0
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
@@ -47,7 +48,8 @@
 set -euo pipefail
 
 export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-8}
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/04-zero-${SLURM_JOB_ID:-local}}
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=04-zero
 STRATEGY=${STRATEGY:-zero2}
 
 # chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool

@@ -45,7 +45,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -59,6 +59,8 @@ here=${BASH_SOURCE[0]}
 [[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
 [[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=05-fsdp
 echo "lesson 05 (FSDP by hand): minidist/fsdp on $(basename "${MODEL:-codellama/CodeLlama-7b-hf}"), flags: $*"
 # exec: the same process, so SLURM's USR1 reaches chess_finetune.sh's trap directly.
 exec bash "$launcher" --impl minidist --strategy fsdp "$@"

@@ -51,7 +51,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -61,7 +61,8 @@ set -euo pipefail
 
 export BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-128}
 export TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-512}
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/06-activation-checkpointing-${SLURM_JOB_ID:-local}}
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=06-activation-checkpointing
 GRADIENT_CHECKPOINTING=${GRADIENT_CHECKPOINTING:-1}
 
 # chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool

@@ -46,7 +46,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -56,7 +56,8 @@ set -euo pipefail
 
 MIXED_PRECISION=${MIXED_PRECISION:-bf16}
 REDUCE_DTYPE=${REDUCE_DTYPE:-fp32}
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/07-mixed-precision-$MIXED_PRECISION-${SLURM_JOB_ID:-local}}
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=07-mixed-precision-$MIXED_PRECISION
 
 # chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
 # folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).

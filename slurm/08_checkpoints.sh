@@ -46,7 +46,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=00:12:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -54,8 +54,6 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-# A job keeps its id when it is requeued, so every start of it finds the same OUTPUT_DIR.
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/08-checkpoints-${SLURM_JOB_ID:-local}}
 export SAVE_STEPS=${SAVE_STEPS:-20}
 CHECKPOINT_FORMAT=${CHECKPOINT_FORMAT:-sharded}
 
@@ -65,6 +63,9 @@ here=${BASH_SOURCE[0]}
 [[ -z ${SLURM_JOB_ID:-} ]] || here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_finetune.sh || true
 [[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
+source "$(dirname "$launcher")/allocation.sh"
+# A job keeps its id when it is requeued, so every start of it finds the same OUTPUT_DIR.
+outputs "08-checkpoints-${SLURM_JOB_ID:-local}"  # OUTPUT_DIR, unless set: $SCRATCH/minidist/runs/08-checkpoints-<job id>
 
 echo "lesson 08: $CHECKPOINT_FORMAT checkpoints in $OUTPUT_DIR, SAVE_STEPS=$SAVE_STEPS, start $((${SLURM_RESTART_COUNT:-0} + 1)); flags: $*"
 [[ -f $OUTPUT_DIR/latest ]] && echo "lesson 08: latest names $(cat "$OUTPUT_DIR/latest")"

@@ -48,7 +48,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -58,7 +58,8 @@ set -euo pipefail
 
 IMPL=${IMPL:-minidist}
 # One folder per implementation and job (a requeued job keeps its id, so it resumes from it).
-export OUTPUT_DIR=${OUTPUT_DIR:-runs/09-capstone-$IMPL-${SLURM_JOB_ID:-local}}
+# The run's folder, unless OUTPUT_DIR is set: $SCRATCH/minidist/runs/$RUN_NAME-<job id> (chess_finetune.sh).
+export RUN_NAME=09-capstone-$IMPL
 
 # chess_finetune.sh lies beside this script. Under sbatch "this script" is a copy in slurmd's spool
 # folder, so ask SLURM for the path that was submitted (relative to the folder it was submitted from).

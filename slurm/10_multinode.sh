@@ -44,7 +44,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
 set -euo pipefail
@@ -57,9 +57,9 @@ launcher=$(cd "${SLURM_SUBMIT_DIR:-.}" && cd "$(dirname "$here")" && pwd)/chess_
 [[ -f $launcher ]] || { echo "error: $launcher not found: submit this script from its repository's slurm/ folder" >&2; exit 2; }
 source "$(dirname "$launcher")/site_setup.sh"  # the site's set-up (module load, conda activate), once for the three runs
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
-OUTPUT_DIR=${OUTPUT_DIR:-runs/10-multinode-${SLURM_JOB_ID:-local}}
-echo "lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA, on ${SLURM_JOB_NUM_NODES:-?} node(s), flags: $*"
 source "$(dirname "$launcher")/allocation.sh"
+outputs "10-multinode-${SLURM_JOB_ID:-local}"  # OUTPUT_DIR, unless set: $SCRATCH/minidist/runs/10-multinode-<job id>
+echo "lesson 10 (more than one node): flat FSDP, then HSDP, then HSDP with LoRA, on ${SLURM_JOB_NUM_NODES:-?} node(s), flags: $*"
 describe_nodes  # once here, not once per run: one line per node (GPUs, driver, torch, CUDA, NCCL)
 
 bytes_per_step() {  # NAME FOLDER: what metrics.jsonl says each step sent, in GB

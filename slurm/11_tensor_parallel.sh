@@ -45,6 +45,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
+# --mem=0, all of the node's memory: tp 4 under DDP reads the fp32 model on every rank, 4 x 27 = 108 GB (chess_finetune.sh's header).
 #SBATCH --mem=0
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
@@ -67,7 +68,7 @@ if (( NNODES != 1 || GPUS_PER_NODE < 4 || GPUS_PER_NODE % 2 )); then
     echo "error: lesson 11 runs on one node of 4 GPUs (tp 4, then tp 2 x FSDP 2), not $NNODES node(s) x $GPUS_PER_NODE" >&2
     exit 2
 fi
-OUTPUT_DIR=${OUTPUT_DIR:-runs/11-tensor-parallel-${SLURM_JOB_ID:-local}}
+outputs "11-tensor-parallel-${SLURM_JOB_ID:-local}"  # OUTPUT_DIR, unless set: $SCRATCH/minidist/runs/11-tensor-parallel-<job id>
 echo "lesson 11 (splitting a layer): tp $GPUS_PER_NODE, then tp 2 x FSDP $((GPUS_PER_NODE / 2)), on one node, flags: $*"
 describe_nodes  # once here, not once per run: one line per node (GPUs, driver, torch, CUDA, NCCL)
 

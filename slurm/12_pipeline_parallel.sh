@@ -38,7 +38,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=01:00:00
 #SBATCH --output=%x-%j.out
 set -euo pipefail
@@ -59,7 +59,7 @@ if (( NNODES > 2 || (NNODES == 1 && GPUS_PER_NODE % 2) )); then
          "$NNODES node(s) x $GPUS_PER_NODE" >&2
     exit 2
 fi
-OUTPUT_DIR=${OUTPUT_DIR:-runs/12-pipeline-parallel-${SLURM_JOB_ID:-local}}
+outputs "12-pipeline-parallel-${SLURM_JOB_ID:-local}"  # OUTPUT_DIR, unless set: $SCRATCH/minidist/runs/12-pipeline-parallel-<job id>
 echo "lesson 12 (splitting the model by depth): pp 2 x FSDP2 $((NNODES * GPUS_PER_NODE / 2)) on $NNODES node(s)," \
      "flags: $*"
 

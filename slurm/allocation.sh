@@ -7,6 +7,8 @@
 #                             shell error)
 #   read_allocation           sets NNODES, GPUS_PER_NODE, HEAD_NODE and MASTER_PORT and exports
 #                             SRUN_CPUS_PER_TASK; or one line and exit status 2
+#   outputs NAME              exports OUTPUT_DIR, by default $SCRATCH/minidist/runs/NAME, off the home
+#                             directory, and makes it; or one line and exit status 2
 #   model_cache               exports HF_HOME, off the home directory; or one line and exit status 2
 #   describe_nodes            one line per node: its GPUs and driver, torch, CUDA and NCCL, and the
 #                             network variables its ranks will see; once per job start
@@ -81,12 +83,35 @@ if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
 fi
 }
 
+scratch() {  # SCRATCH, the site's large file system for a job's files: /scratch/$USER unless set
+export SCRATCH=${SCRATCH:-/scratch/${USER:-$(id -un)}}
+}
+
+outputs() {  # NAME: the run's output folder, off the home directory
+# Checkpoints and the fine-tuned model go to OUTPUT_DIR if set (relative: to the folder the job
+# was submitted from), else $SCRATCH/minidist/runs/NAME. Not under the submission folder: that is
+# usually a clone in $HOME, whose quota (often 10-50 GB) a 7B run fills at its first checkpoint
+# (80.9 GB; three are on the disk at once, 243 GB, before the rotation removes one). The run
+# itself checks the room after its first step (minidist/checkpoint/disk_room.py).
+scratch
+export OUTPUT_DIR=${OUTPUT_DIR:-$SCRATCH/minidist/runs/$1}
+if ! mkdir -p "$OUTPUT_DIR" 2>/dev/null; then
+    echo "error: cannot create OUTPUT_DIR=$OUTPUT_DIR: set SCRATCH (then OUTPUT_DIR is \$SCRATCH/minidist/runs/$1)" \
+         "or OUTPUT_DIR to a folder you can write, on a disk with room for the checkpoints" >&2
+    exit 2
+fi
+# Once per folder: a lesson script that names the folder, then chess_finetune.sh it runs, say it once.
+[[ ${MINIDIST_OUTPUTS_SAID:-} == "$OUTPUT_DIR" ]] || echo "outputs: OUTPUT_DIR=$OUTPUT_DIR"
+export MINIDIST_OUTPUTS_SAID=$OUTPUT_DIR
+}
+
 model_cache() {
 # The Hugging Face cache (models downloaded once on a login node, read offline by the job):
 # HF_HOME if set, else $SCRATCH/hf, else /scratch/$USER/hf. Home directories have small quotas,
 # and CodeLlama-7b alone is 13.5 GB. Download into the same place the job reads:
 #   HF_HOME=/scratch/$USER/hf python -m minidist.hf.models download codellama/CodeLlama-7b-hf
-export HF_HOME=${HF_HOME:-${SCRATCH:-/scratch/${USER:-$(id -un)}}/hf}
+scratch
+export HF_HOME=${HF_HOME:-$SCRATCH/hf}
 if ! mkdir -p "$HF_HOME" 2>/dev/null; then
     echo "error: cannot create HF_HOME=$HF_HOME: set SCRATCH (then HF_HOME is \$SCRATCH/hf) or HF_HOME" \
          "to a folder you can write, with room for the model (13.5 GB for CodeLlama-7b)" >&2

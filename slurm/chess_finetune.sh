@@ -61,8 +61,15 @@
 # (6.74e9 x 4 bytes); the other ranks build the model's shapes on the meta device, wait for rank
 # 0's read on a CPU barrier (an hour's timeout), and receive their shards: the hand-written FSDP
 # scatters them, FSDP2 (IMPL=torch) loads them from rank 0 through PyTorch's distributed
-# state-dict API. DDP (--no_fsdp) and ZeRO still load the model on every rank, 4 x 27 = 108 GB of
-# the node's RAM: --mem=0 asks for all of it. The hand-written strategies have run on one GPU only (an H100, world size 1, a
+# state-dict API. So the job asks for 96 GB of the node's memory (--mem=96G: the 27 GB read, each
+# rank's process, CUDA context and pinned buffers, and room to spare), not the whole node
+# (--mem=0), which would keep the other GPUs of an 8-GPU node idle too. DDP (--no_fsdp), ZeRO and
+# tensor parallelism under DDP load the model on every rank, 4 x 27 = 108 GB, and --cpu_offload
+# keeps the fp32 weights and AdamW's moments on the host (81 GB): submit those with
+# `sbatch --mem=0 ...` (all of the node's memory; the command line overrides the line below).
+# The #SBATCH --gpus-per-node line needs SLURM's cons_tres plugin (`scontrol show config | grep
+# SelectType`); under the older cons_res, submit with `sbatch --gres=gpu:4 ...` instead.
+# The hand-written strategies have run on one GPU only (an H100, world size 1, a
 # 0.8B model, on older code: lessons/reference/gpu.md); this script has not run on GPUs yet.
 #
 # On a real cluster (each of these is optional; the job's log shows what it got):
@@ -82,6 +89,12 @@
 #   node has is refused by sbatch ("Invalid feature specification").
 # - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
 #   directory, whose quota the 13.5 GB model would fill; created if missing, one line if it cannot be.
+# - Outputs: OUTPUT_DIR, by default $SCRATCH/minidist/runs/chess-<job id>, not under the folder the
+#   job was submitted from (usually a clone in the home directory): a sharded checkpoint of
+#   CodeLlama-7b holds 80.9 GB, three are on the disk at once before the rotation removes the
+#   oldest (243 GB), and the 13.5 GB model comes at the end. After its first step the run says in one
+#   line how much it will write and how much the disk has free, and stops there if it does not fit
+#   (minidist/checkpoint/disk_room.py; a quota may allow less than the free space: `quota -s`).
 # - Two nodes: NCCL_SOCKET_IFNAME (say ib0) and NCCL_IB_HCA (say mlx5_0), when the site tells you
 #   to set them, reach the ranks on every node; unset or empty, NCCL chooses.
 # - At each start, one line per node: its GPUs, memory and driver (nvidia-smi), and the torch,
@@ -91,7 +104,7 @@
 #   HF_HOME=${SCRATCH:-/scratch/$USER}/hf python -m minidist.hf.models download codellama/CodeLlama-7b-hf
 # Compute nodes then load it offline (HF_HUB_OFFLINE=1) from $HF_HOME.
 #
-# Environment variables (all optional): IMPL (minidist or torch), MODEL, DATA, OUTPUT_DIR,
+# Environment variables (all optional): IMPL (minidist or torch), MODEL, DATA, OUTPUT_DIR, RUN_NAME,
 # TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, ACCUMULATE_SHARDED, PACK, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS,
 # PET_SHUTDOWN_TIMEOUT, SITE_SETUP, SCRATCH, HF_HOME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA; and, read
 # by sbatch itself, SBATCH_CONSTRAINT. Arguments after the script name go to minidist.finetune
@@ -102,7 +115,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
-#SBATCH --mem=0
+#SBATCH --mem=96G
 #SBATCH --time=04:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=B:USR1@300
@@ -139,7 +152,6 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}  # so that `-m minidist.finet
 IMPL=${IMPL:-minidist}  # the hand-written FSDP; torch: PyTorch's FSDP2, the reference
 MODEL=${MODEL:-codellama/CodeLlama-7b-hf}
 DATA=${DATA:-$REPO/minidist/chess/data/train.jsonl}
-OUTPUT_DIR=${OUTPUT_DIR:-runs/chess-${SLURM_JOB_ID:-local}}
 TOTAL_BATCH_SIZE=${TOTAL_BATCH_SIZE:-32}
 BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # A sharded 7B checkpoint with AdamW holds 80.9 GB (12 bytes per parameter: fp32 weights and two
@@ -154,10 +166,6 @@ BATCH_SIZE_PER_DEVICE=${BATCH_SIZE_PER_DEVICE:-4}
 # run of this project has been timed yet.)
 SAVE_STEPS=${SAVE_STEPS:-100}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}   # compute nodes have no internet: use the cache
-# The stop file stands in for a warning that srun dropped (minidist/checkpoint/preemption.py); each start
-# begins without one. Removed before it is named, so a warning now cannot be lost to the `rm`.
-rm -f "$OUTPUT_DIR/stop-requested"
-export MINIDIST_STOP_FILE=$OUTPUT_DIR/stop-requested
 source "$REPO/slurm/allocation.sh"
 whole_number 1 TOTAL_BATCH_SIZE BATCH_SIZE_PER_DEVICE
 whole_number 0 SAVE_STEPS
@@ -177,6 +185,13 @@ PACKING=()
 (( PACK )) && PACKING=(--pack)
 read_allocation  # NNODES, GPUS_PER_NODE, HEAD_NODE, MASTER_PORT; or one line if this is no job
 model_cache      # HF_HOME, off the home directory; or one line
+# OUTPUT_DIR, by default $SCRATCH/minidist/runs/chess-<job id> (a lesson script names its own run:
+# RUN_NAME), off the home directory's quota; or one line.
+outputs "${RUN_NAME:-chess}-$SLURM_JOB_ID"
+# The stop file stands in for a warning that srun dropped (minidist/checkpoint/preemption.py); each start
+# begins without one. Removed before it is named, so a warning now cannot be lost to the `rm`.
+rm -f "$OUTPUT_DIR/stop-requested"
+export MINIDIST_STOP_FILE=$OUTPUT_DIR/stop-requested
 
 # The total batch stays fixed; whatever one device cannot hold at once is accumulated. With
 # --tp_size T among the arguments (lesson 11), T GPUs share each micro-batch; with --pp_size P
@@ -198,6 +213,16 @@ for size in "--tp_size $TP_SIZE" "--pp_size $PP_SIZE"; do
         exit 2
     fi
 done
+# A tensor-parallel group is TP_SIZE consecutive ranks (minidist/parallel/mesh.py), and a node's ranks
+# are consecutive: the group stays inside a node when TP_SIZE divides the GPUs of one. Across nodes
+# its all-reduces (2 per layer per micro-batch forward, 2 backward, each of a whole activation, on
+# the critical path) would go over the network at a tenth of NVLink's speed or less: refused.
+if (( TP_SIZE > 1 && GPUS_PER_NODE % TP_SIZE != 0 )); then
+    echo "error: --tp_size $TP_SIZE does not divide the $GPUS_PER_NODE GPUs of a node: its groups would span nodes and send" \
+         "every layer's activations over the network; pick a --tp_size that divides $GPUS_PER_NODE, and use more nodes" \
+         "through data parallelism (--strategy hsdp) or a pipeline (--pp_size)" >&2
+    exit 2
+fi
 DATA_PARALLEL=$((WORLD_SIZE / TP_SIZE / PP_SIZE)) SPLIT="$WORLD_SIZE GPUs" CUTS=""
 (( TP_SIZE > 1 )) && CUTS+=" / --tp_size $TP_SIZE"
 (( PP_SIZE > 1 )) && CUTS+=" / --pp_size $PP_SIZE"

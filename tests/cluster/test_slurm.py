@@ -145,6 +145,8 @@ class Jobs:
         self.site.write_text(SITE_FILE)
 
     def submit(self, name, script, *args, options=(), env=None, output_dir=None, niceness=0):
+        """Queue a job; `output_dir`: its OUTPUT_DIR (by default a folder of its own here; False: not
+        set, the script's default under SCRATCH)."""
         out = output_dir or self.folder / f"out-{name}"
         path = [p for p in os.environ["PATH"].split(os.pathsep) if p and Path(p).resolve() != VENV_BIN.resolve()]
         variables = {
@@ -154,6 +156,8 @@ class Jobs:
             "MODEL": self.model, "DATA": str(bundled_games("train")), "OUTPUT_DIR": str(out),
             "TOTAL_BATCH_SIZE": "8", "BATCH_SIZE_PER_DEVICE": "2", "HF_HUB_OFFLINE": "1", **(env or {}),
         }
+        if output_dir is False:
+            del variables["OUTPUT_DIR"]
         unwanted = ("PYTHONPATH", "HF_HOME", "VIRTUAL_ENV", "PS1")
         env_all = {k: v for k, v in os.environ.items()
                    if k not in unwanted and not k.startswith(("SBATCH_", "NCCL_", "GLOO_"))} | variables
@@ -161,6 +165,8 @@ class Jobs:
         script = os.path.relpath(SLURM / script, self.folder)
         job = self.cluster.sbatch(script, *args, options=[f"--job-name={name}", "--output=%x-%j.out", *options],
                                   env=env_all, cwd=self.folder, niceness=niceness)
+        if output_dir is False:  # the script's own default
+            out = self.folder / "scratch" / "minidist" / "runs" / f"chess-{job}"
         self.ids[name], self.outs[name] = job, out
         self.logs[name] = self.folder / f"{name}-{job}.out"
         return job
@@ -227,12 +233,16 @@ def queue_background(jobs: Jobs, after: list[int]) -> None:
                 **background)
     jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G", then],
                 env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"}, **background)
+    # Tensor parallelism across 2 nodes of 1 "GPU" each: refused before anything starts.
+    jobs.submit("tp-across-nodes", "chess_finetune.sh", "--tp_size", "2",
+                options=["--nodes=2", "--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G", then], **background)
     (jobs.folder / "a-file").write_text("not a folder")  # so no HF_HOME can be made under it
     jobs.submit("no-model-cache", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G", then],
                 env={"SCRATCH": str(jobs.folder / "a-file" / "scratch")}, **background)
-    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable.
+    # Only the "80 GB" node, asked for as the script's header says: SLURM's own variable. And no
+    # OUTPUT_DIR: the script's default, under SCRATCH.
     jobs.submit("gpu80", "chess_finetune.sh", "--max_steps", "1", *SMALL, "--no_save", options=[*SMALL_JOB, then],
-                env={"SBATCH_CONSTRAINT": "gpu80"}, **background)
+                env={"SBATCH_CONSTRAINT": "gpu80"}, output_dir=False, **background)
     # And only the other node: a job that stops at once (3 sequences do not divide over 1 x 2).
     jobs.submit("gpu40", "chess_finetune.sh", options=["--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G", then],
                 env={"SBATCH_CONSTRAINT": "gpu40", "TOTAL_BATCH_SIZE": "3"}, **background)
@@ -420,6 +430,14 @@ def test_sizes_that_do_not_divide_stop_the_job_with_one_line(jobs):
         "error: TOTAL_BATCH_SIZE=10 is not divisible by 2 GPUs x BATCH_SIZE_PER_DEVICE=4; pick sizes whose product divides it")
 
 
+def test_tensor_parallelism_across_nodes_stops_the_job_with_one_line(jobs):
+    [(record, log)] = jobs.wait("tp-across-nodes")
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
+    assert log.strip().splitlines()[-1].startswith(
+        "error: --tp_size 2 does not divide the 1 GPUs of a node: its groups would span nodes"), log
+    assert "Traceback" not in log and "line " not in log, log
+
+
 def test_a_model_cache_that_cannot_be_made_stops_the_job_with_one_line(jobs):
     [(record, log)] = jobs.wait("no-model-cache")
     assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
@@ -443,6 +461,23 @@ def test_a_gpu_constraint_picks_the_nodes_that_have_it(jobs, slurm_cluster):
     assert "Invalid feature specification" in refused.value.stderr, refused.value.stderr
 
 
+def test_outputs_go_to_scratch_and_the_room_is_said_before_the_first_save(jobs):
+    """A job that sets no OUTPUT_DIR writes under $SCRATCH/minidist/runs/chess-<job id>, not under
+    the folder it was submitted from, and says so; after its first step the run says how big a
+    checkpoint is, how much it writes at most (SAVE_STEPS 100 over 1 step: one save, a stop's),
+    and what the disk has free."""
+    [(record, log)] = jobs.wait("gpu80")
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log
+    out = jobs.outs["gpu80"]
+    assert f"outputs: OUTPUT_DIR={out}\n" in log and jobs.steps("gpu80") == [1], log
+    assert not list(jobs.folder.glob("runs")), "nothing under the submission folder"
+    room = re.search(r"^disk: a checkpoint holds ([\d.]+) MB and no fine-tuned model \(--no_save\); this start writes "
+                     r"up to ([\d.]+) MB more \(1 checkpoint, if a stop signal asks for it \(--save_steps saves none in "
+                     rf"this start\)\); {re.escape(str(out))} has [\d.]+ [GT]B free", log, re.M)
+    assert room and room[1] == room[2], log
+    assert log.index("step    1/1") < room.start(), log  # after the first step
+
+
 # -- without a cluster: the scripts run with bash, as a learner might by mistake ---------------
 
 def run_script(script, folder=SLURM, **env):
@@ -451,6 +486,23 @@ def run_script(script, folder=SLURM, **env):
     variables = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"SITE_SETUP": ""} | env
     variables = {k: v for k, v in variables.items() if v is not None}  # None: leave it unset
     return subprocess.run(["bash", str(folder / script)], env=variables, capture_output=True, text=True, timeout=60)
+
+
+# The scripts that load the fp32 model on every rank (DDP, ZeRO, tp under DDP): they alone take the node's memory.
+EVERY_RANK_LOADS = {"00_memory", "02_ddp", "04_zero", "11_tensor_parallel"}
+
+
+@pytest.mark.parametrize("script", [SLURM / "chess_finetune.sh", *LESSON_SCRIPTS], ids=lambda p: p.stem)
+def test_only_the_scripts_that_load_on_every_rank_take_the_whole_nodes_memory(script):
+    """`#SBATCH --mem=0` takes all of a node's memory, and with it, on most sites, the node's other
+    GPUs: an 8-GPU node for a 4-GPU job. Rank-0 loading (both FSDPs) reads 27 GB once, so those
+    scripts ask for 96 GB; a script that keeps --mem=0 says why in the comment above the line."""
+    lines = script.read_text().splitlines()
+    [at] = [i for i, line in enumerate(lines) if line.startswith("#SBATCH --mem=")]
+    if script.stem in EVERY_RANK_LOADS:
+        assert lines[at] == "#SBATCH --mem=0" and "on every rank" in lines[at - 1], lines[at - 1:at + 1]
+    elif script.stem != "01_collectives":  # no model at all: 64 GB
+        assert lines[at] == "#SBATCH --mem=96G", lines[at]
 
 
 @pytest.mark.parametrize("script", ["chess_finetune.sh", "01_collectives.sh", "02_ddp.sh"])
