@@ -56,10 +56,11 @@ command -v nvidia-smi >/dev/null && nvidia-smi topo -m || true  # NV# = NVLink b
 # One rendezvous store for every collective's run (each its own --rdzv_id), in a process of its own so that it
 # outlives every node's torchrun (is_host=0): else a 2-node job can end in an exit-barrier traceback.
 rendezvous_store
+node_addresses  # each node's torchrun publishes its NodeAddr, and gloo uses that interface (allocation.sh)
 for op in $OPS; do
     # One torchrun per node; every rank times the same calls, rank 0 prints the table.
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-        torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
+        bash -c "$TORCHRUN_HERE" torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
         --rdzv_id "${SLURM_JOB_ID:-0}-$op" --rdzv_backend c10d --rdzv_endpoint "$HEAD_NODE:$MASTER_PORT" \
         --rdzv_conf is_host=0 \
         -m minidist.bench allreduce --op "$op" --min_bytes 1M --max_bytes 4G --factor 4 "$@"

@@ -15,6 +15,10 @@
 #   rendezvous_store          starts torchrun's rendezvous store on this node (the head node) in the
 #                             background, stopped when the script exits or by stop_rendezvous_store;
 #                             every torchrun then joins it with --rdzv_conf is_host=0
+#   node_addresses            exports NODE_ADDRS, each node's name=address (SLURM's NodeAddr), and
+#                             TORCHRUN_HERE, the command an srun task runs torchrun through so
+#                             that its node publishes that address (`srun ... bash -c "$TORCHRUN_HERE"
+#                             torchrun ARGS...`); one line per node says what it chose
 #   sharded_accumulation ARGS adds --accumulate_sharded to the STRATEGY array where chess_finetune.sh
 #                             accumulates sharded (one node, a sharding strategy, more than one
 #                             micro-batch; ACCUMULATE_SHARDED=auto|0|1), and says so in one line
@@ -161,6 +165,41 @@ echo "node ${SLURMD_NODENAME:-$(hostname)}: ${gpus:-nvidia-smi lists no GPU} | $
 EOF
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c "$node_line" ||
     echo "warning: could not describe the nodes (srun failed); going on"
+}
+
+node_addresses() {
+# torchrun's agents meet at the rendezvous (HEAD_NODE:MASTER_PORT); then the workers of every node
+# connect to a store that the agent of rendezvous rank 0 opens, at the address that agent
+# publishes: by default its own socket.getfqdn() (torch/distributed/elastic/rendezvous/api.py),
+# a name the other nodes may not resolve, or resolve to another interface (pytorch/pytorch#150532,
+# #73656). init_process_group then waits out its timeout (600 s) with nothing said. torchrun's
+# --local-addr (PET_LOCAL_ADDR) publishes the address given instead: here each node's NodeAddr,
+# the address slurmctld itself reaches the node at (its name where SLURM has no other).
+# gloo (the CPU barrier while rank 0 loads, the stop vote) picks its interface from the
+# hostname's address, which on many nodes is 127.0.1.1 (Debian's /etc/hosts): unless
+# GLOO_SOCKET_IFNAME is set, each node's gloo uses the interface that holds its NodeAddr.
+local node addr pairs=()
+for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+    addr=$(scontrol show node "$node" 2>/dev/null | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p' | head -n 1)
+    pairs+=("$node=${addr:-$node}")
+done
+export NODE_ADDRS="${pairs[*]}"
+# Run by srun on each node, with torchrun's arguments: the address, the interface, then torchrun.
+read -r -d '' TORCHRUN_HERE <<'EOF' || true
+addr=$SLURMD_NODENAME
+for pair in $NODE_ADDRS; do
+    [[ ${pair%%=*} == "$SLURMD_NODENAME" ]] && addr=${pair#*=}
+done
+export PET_LOCAL_ADDR=${PET_LOCAL_ADDR:-$addr}
+if [[ -z ${GLOO_SOCKET_IFNAME:-} ]] && command -v ip >/dev/null; then
+    ipv4=$(getent ahostsv4 "$PET_LOCAL_ADDR" | awk 'NR == 1 {print $1}')
+    iface=$(ip -o -4 addr show | awk -v ip="$ipv4" '{split($4, a, "/")} a[1] == ip {print $2; exit}')
+    [[ -n $iface ]] && export GLOO_SOCKET_IFNAME=$iface
+fi
+echo "node $SLURMD_NODENAME: torchrun --local-addr $PET_LOCAL_ADDR, gloo on ${GLOO_SOCKET_IFNAME:-the interface of the host name}"
+exec torchrun "$@"
+EOF
+export TORCHRUN_HERE
 }
 
 rendezvous_store() {

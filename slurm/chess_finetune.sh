@@ -305,9 +305,10 @@ fi
 # The rendezvous store in a process of its own, so that it outlives every node's torchrun (is_host=0:
 # none hosts it), else a finished 2-node job can end in an exit-barrier traceback (allocation.sh).
 rendezvous_store
+node_addresses  # each node's torchrun publishes its NodeAddr, and gloo uses that interface (allocation.sh)
 # In the background, so that this shell can run its trap while the training runs.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    torchrun \
+    bash -c "$TORCHRUN_HERE" torchrun \
     --nnodes "$NNODES" \
     --nproc_per_node "$GPUS_PER_NODE" \
     --rdzv_id "${SLURM_JOB_ID:-0}" \

@@ -356,6 +356,11 @@ def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
     assert {name: network for name, (_, network) in node_lines(first).items()} == {
         name: "NCCL_IB_HCA=mlx5_0 NCCL_SOCKET_IFNAME=lo" for name in nodes}, first
     assert set(node_lines(second)) == set(nodes), second
+    # Each node's torchrun publishes the address SLURM reaches it at (NodeAddr, 127.0.0.1 here), not
+    # its host name, and gloo uses the interface that holds it (allocation.sh's node_addresses).
+    for start in (first, second):
+        for name in nodes:
+            assert f"node {name}: torchrun --local-addr 127.0.0.1, gloo on lo\n" in start, start
     out = jobs.outs["preempted"]
     assert "USR1: the time limit is near; asking the training to save and stop" in first
     assert first.count("stopped by SIGUSR1 after step 3: saved") == 1, first
@@ -560,6 +565,30 @@ def test_the_site_set_up_is_slurm_site_sh_by_default_or_the_file_site_setup_name
     assert broken.returncode == 2 and broken.stderr.splitlines()[-1] == (
         f"error: the site set-up {tmp_path / 'broken.sh'} ended with status 1: fix it, or submit with "
         "SITE_SETUP= to skip it"), broken.stderr
+
+
+def test_each_node_publishes_the_address_slurm_reaches_it_at(tmp_path):
+    """`node_addresses` (allocation.sh): torchrun on a node is started with --local-addr set to the
+    node's NodeAddr, and that is the MASTER_ADDR the workers of every node are told to connect to
+    (by default torch publishes `socket.getfqdn()`, here "localhost", a name another node may not
+    resolve). 127.0.0.2 is loopback too, so the workers reach it; SLURM's answers are planted."""
+    planted = """scontrol() {
+        case "$1 $2" in
+            "show hostnames") echo vm ;;
+            "show node") echo "NodeName=vm Arch=x86_64"; echo "   NodeAddr=127.0.0.2 NodeHostName=vm Version=24.11" ;;
+        esac
+    }"""
+    port = str(20000 + os.getpid() % 10000)
+    script = (f"{planted}\nsource {SLURM}/allocation.sh\nnode_addresses\n"
+              f'SLURMD_NODENAME=vm bash -c "$TORCHRUN_HERE" torchrun --nnodes 1 --nproc_per_node 1 '
+              f"--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:{port} --no-python "
+              f"python -c \"import os; print('workers connect to', os.environ['MASTER_ADDR'])\"")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "PET_LOCAL_ADDR")}
+    done = subprocess.run(["bash", "-c", script], env=env | {"SLURM_JOB_NODELIST": "vm"}, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "node vm: torchrun --local-addr 127.0.0.2, gloo on the interface of the host name\n" in done.stdout
+    assert "workers connect to 127.0.0.2\n" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_compressed_node_list_gives_its_first_node_as_the_rendezvous(slurm_cluster):
