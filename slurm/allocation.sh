@@ -19,6 +19,9 @@
 #                             TORCHRUN_HERE, the command an srun task runs torchrun through so
 #                             that its node publishes that address (`srun ... bash -c "$TORCHRUN_HERE"
 #                             torchrun ARGS...`); one line per node says what it chose
+#   gpu_memory_check ARGS     the smallest GPU of the job (nvidia-smi on every node) against the
+#                             memory estimate of the run chess_finetune.sh is about to start: one
+#                             line, or one line with what would fit and exit status 2
 #   sharded_accumulation ARGS adds --accumulate_sharded to the STRATEGY array where chess_finetune.sh
 #                             accumulates sharded (one node, a sharding strategy, more than one
 #                             micro-batch; ACCUMULATE_SHARDED=auto|0|1), and says so in one line
@@ -262,4 +265,61 @@ sharded_accumulation() {  # "$@": the run's arguments; adds the flag to STRATEGY
     fi
     STRATEGY+=(--accumulate_sharded)
     echo "$accumulation micro-batches: sharded accumulation (--accumulate_sharded; ACCUMULATE_SHARDED=0: no_sync)"
+}
+
+estimate_args() {  # "$@": the run's arguments. Sets ESTIMATE, `python -m minidist.memory`'s flags for it
+# The run chess_finetune.sh is about to start (IMPL, WORLD_SIZE, BATCH_SIZE_PER_DEVICE,
+# GRADIENT_ACCUMULATION_STEPS, PACK and the STRATEGY array it has set), then the arguments given to
+# it that the estimator takes too (later ones win, as in argparse).
+ESTIMATE=(--impl "$IMPL" --world_size "$WORLD_SIZE" --batch_size_per_device "$BATCH_SIZE_PER_DEVICE"
+          --gradient_accumulation_steps "$GRADIENT_ACCUMULATION_STEPS" --max_seq_length 512 --mixed_precision bf16
+          "${STRATEGY[@]}")
+(( PACK )) && ESTIMATE+=(--pack)
+local args=() arg i
+for arg in "$@"; do  # --name=value as two words, as argparse reads it
+    if [[ $arg == --*=* ]]; then args+=("${arg%%=*}" "${arg#*=}"); else args+=("$arg"); fi
+done
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+        --strategy|--impl|--max_seq_length|--mixed_precision|--batch_size_per_device|--gradient_accumulation_steps|\
+        --reduce_dtype|--bucket_cap_mb|--ddp_variant|--hsdp_shard_size|--tp_size|--pp_size|--pp_schedule|--lora_rank|\
+        --lora_target_modules|--lora_dropout)
+            ESTIMATE+=("${args[i]}" "${args[i + 1]:-}")
+            i=$((i + 1)) ;;
+        --gradient_checkpointing|--no_layer_wrap_policy|--accumulate_sharded|--cpu_offload|--sequence_parallel)
+            ESTIMATE+=("${args[i]}") ;;
+        --no_fsdp) ESTIMATE+=(--strategy ddp) ;;
+    esac
+done
+}
+
+gpu_memory_check() {  # "$@": the run's arguments
+# A partition that mixes GPUs of 40 and 80 GB gives a job without a constraint either kind, and a
+# run too big for its GPUs stops, out of memory, at its first step, after minutes of loading. So,
+# before anything loads: every node's nvidia-smi says its GPUs' memory, and the smallest is held
+# against the estimate of this very run (minidist/memory/fit.py: the estimate and a 5 GB reserve;
+# the refusal names each change of flags under which the estimate fits). Where there is no
+# nvidia-smi, or the estimator cannot say (a pipeline's estimate is per stage), one line says so
+# and the run goes on.
+local smallest out status=0
+smallest=$(srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c \
+    'command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits' \
+    2>/dev/null | sort -n | head -n 1) || true
+if ! [[ $smallest =~ ^[0-9]+$ ]]; then
+    echo "GPU memory: not checked (no nvidia-smi on the nodes)"
+    return 0
+fi
+estimate_args "$@"
+out=$(python -m minidist.memory "$MODEL" "${ESTIMATE[@]}" --gpu_memory "${smallest}MiB" --must_fit 2>&1) || status=$?
+out=$(tail -n 1 <<< "$out")
+out=${out#minidist.memory: error: }
+if (( status == 0 )); then
+    echo "GPU memory: $out (python -m minidist.memory $MODEL ${ESTIMATE[*]} --gpu_memory ${smallest}MiB --must_fit)"
+elif [[ $out == "the estimated peak"* ]]; then
+    echo "error: $out (flags go after the script's name; BATCH_SIZE_PER_DEVICE=N as a variable keeps the total" \
+         "batch; or ask for larger GPUs: SBATCH_CONSTRAINT, the header)" >&2
+    exit 2
+else
+    echo "GPU memory: not checked ($out)"
+fi
 }

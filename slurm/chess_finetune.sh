@@ -86,7 +86,11 @@
 #   --max_seq_length 512 --mixed_precision bf16 --accumulate_sharded` puts it at 42.0 GB a GPU for
 #   either implementation, 61.6 GB without --accumulate_sharded); many sites name the 80 GB ones with a feature such as `gpu80`, but
 #   the name is site-specific (`sinfo -o "%N %f"` lists the features of each node). A feature no
-#   node has is refused by sbatch ("Invalid feature specification").
+#   node has is refused by sbatch ("Invalid feature specification"). Either way, before anything
+#   loads, the script asks every node's nvidia-smi for its GPUs' memory and holds the smallest
+#   against the estimate of this very run (with a 5 GB reserve): a run that would stop, out of
+#   memory, at its first step is refused in one line that names the changes of flags that fit
+#   (on an A100-40GB: --gradient_checkpointing, --cpu_offload, or BATCH_SIZE_PER_DEVICE=2).
 # - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
 #   directory, whose quota the 13.5 GB model would fill; created if missing, one line if it cannot be.
 # - Outputs: OUTPUT_DIR, by default $SCRATCH/minidist/runs/chess-<job id>, not under the folder the
@@ -255,6 +259,10 @@ fi
 # More than one micro-batch and a strategy that shards gradients: --accumulate_sharded on one node,
 # where it wins (see the header; the rule is allocation.sh's sharded_accumulation, lesson 00's estimate reads it too).
 sharded_accumulation "$@"
+
+# The smallest GPU of the job against this run's memory estimate: refused in one line, with what
+# would fit, where it would run out of memory at its first step (allocation.sh, minidist/memory/fit.py).
+gpu_memory_check "$@"
 
 # A checkpoint from an earlier start of this job (or an earlier job with this OUTPUT_DIR): go on from it.
 # A start killed just after publishing its first checkpoint leaves no `latest` yet: --resume finds

@@ -9,9 +9,7 @@ skipped on an H100, and no row is lost to an out-of-memory error that the estima
 
 import torch
 
-# Bytes the estimate does not count: the CUDA context, NCCL's buffers, the allocator's fragmentation.
-# The same room `python -m minidist.memory --gpu_memory 80GB` leaves an A100 that reports 85.1e9 bytes.
-RESERVE = 5e9
+from minidist.memory.fit import RESERVE  # bytes the estimate does not count, the same room as a run's check
 
 
 def skip_reason(estimate: float, gpu_memory: int | None) -> str | None:

@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from minidist.hf import hub, lora, model_folder, models
-from minidist.memory import estimator, pipeline, report
+from minidist.memory import fit, estimator, pipeline, report
 from minidist.strategy.options import ParallelOptions
 from minidist.runtime.errors import ArgumentParser, one_line_errors
 
@@ -51,6 +51,9 @@ def main(argv=None) -> None:
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="gloo (CPU ranks) copies what FSDP2 and ZeRO-1 reduce-scatter; nccl (GPUs) does not")
     p.add_argument("--gpu_memory", help="say whether it fits, and the largest batch that does: 80GB, 79.2GiB")
+    p.add_argument("--must_fit", action="store_true",
+                   help="with --gpu_memory: one line, and exit status 2 with what would fit where the estimate does "
+                        "not (memory/fit.py; the SLURM scripts check the GPUs they got with it)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--readme_table", action="store_true",
                    help="markdown: every strategy on 1, 4, 8 GPUs, with PyTorch's MemTracker beside the estimate")
@@ -87,6 +90,12 @@ def main(argv=None) -> None:
         # The activations are traced here (`trace.py`): an architecture that cannot be, says so in one line.
         if args.readme_table:
             print(report.readme_table(shape, setup, gpu_memory))
+            return
+        if args.must_fit:
+            if gpu_memory is None or args.pp_size > 1:
+                raise ValueError("--must_fit needs --gpu_memory (the GPU's memory, e.g. 80GB), and checks runs "
+                                 "without --pp_size, whose estimate is per stage")
+            print(fit.verdict(shape, setup, gpu_memory))
             return
         if args.pp_size > 1:  # one row per stage (memory/pipeline.py)
             print(pipeline.format_stages(shape, pipeline.data_parallel(setup, args.pp_size), args.pp_size,

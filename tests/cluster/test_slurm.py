@@ -171,6 +171,26 @@ class Jobs:
         self.logs[name] = self.folder / f"{name}-{job}.out"
         return job
 
+    def planted_gpus(self, name: str, mib: int) -> Path:
+        """A site file that also puts a planted `nvidia-smi` first on PATH: two "GPUs" of `mib` MiB on
+        every node, as nvidia-smi answers the scripts' two questions (describe_nodes' and
+        gpu_memory_check's). Returns the site file, for SITE_SETUP."""
+        bin_dir = self.folder / f"{name}-bin"
+        bin_dir.mkdir()
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"""#!/bin/bash
+for gpu in 0 1; do
+    case "$*" in
+        *name,memory.total,driver_version*) echo "Planted GPU, {mib} MiB, 0.0" ;;
+        *memory.total*) echo {mib} ;;
+    esac
+done
+""")
+        smi.chmod(0o755)
+        site = self.folder / "site" / f"{name}.sh"
+        site.write_text(f"source {self.site}\nexport PATH={bin_dir}:$PATH\n")
+        return site
+
     def wait(self, *names, timeout=900):
         """Wait for these jobs; return (scontrol's record, log text) for each, in order."""
         records = self.cluster.wait([self.ids[n] for n in names], timeout=timeout)
@@ -233,6 +253,9 @@ def queue_background(jobs: Jobs, after: list[int]) -> None:
                 **background)
     jobs.submit("not-divisible", "chess_finetune.sh", options=["--gres=gpu:2", "--cpus-per-task=1", "--mem=1G", then],
                 env={"TOTAL_BATCH_SIZE": "10", "BATCH_SIZE_PER_DEVICE": "4"}, **background)
+    # GPUs of 4 GiB (a planted nvidia-smi): less than the estimate's 5 GB reserve alone, so nothing fits.
+    jobs.submit("gpus-too-small", "chess_finetune.sh", options=["--gpus-per-node=2", "--cpus-per-task=1", "--mem=1G", then],
+                env={"SITE_SETUP": str(jobs.planted_gpus("small-gpus", 4096))}, **background)
     # Tensor parallelism across 2 nodes of 1 "GPU" each: refused before anything starts.
     jobs.submit("tp-across-nodes", "chess_finetune.sh", "--tp_size", "2",
                 options=["--nodes=2", "--gpus-per-node=1", "--cpus-per-task=1", "--mem=1G", then], **background)
@@ -433,6 +456,20 @@ def test_sizes_that_do_not_divide_stop_the_job_with_one_line(jobs):
     assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
     assert log.strip().splitlines()[-1] == (
         "error: TOTAL_BATCH_SIZE=10 is not divisible by 2 GPUs x BATCH_SIZE_PER_DEVICE=4; pick sizes whose product divides it")
+
+
+def test_gpus_too_small_for_the_estimate_stop_the_job_before_loading_with_one_line(jobs):
+    """Every node's nvidia-smi (planted) says 4,096 MiB; the estimate of the run and its reserve do
+    not fit, and the job stops in one line, before any model loads, naming the figures. Every other
+    job here has no nvidia-smi, and says it did not check."""
+    [(record, log)] = jobs.wait("gpus-too-small")
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), log
+    line = log.strip().splitlines()[-1]
+    assert line.startswith("error: the estimated peak, ") and " MB per GPU, and 5.00 GB for what it leaves out" in line, log
+    assert "are more than the 4.29 GB of the smallest GPU here: the run would stop, out of memory" in line, log
+    assert "what fits (estimated peak): none of --accumulate_sharded" in line and "step " not in log, log
+    [(_, other)] = jobs.wait("gpu80")
+    assert "GPU memory: not checked (no nvidia-smi on the nodes)" in other, other
 
 
 def test_tensor_parallelism_across_nodes_stops_the_job_with_one_line(jobs):
