@@ -77,10 +77,10 @@ which micro-batch is its last.
 
 **Two streams** (`streams.py`). On a GPU the all-gathers run on one side stream and the
 reduce-scatters on another (HSDP's all-reduces on a third), as FSDP2's `all_gather_stream` and
-`reduce_scatter_stream`: in backward unit i-2's gather is not queued behind unit i's
-reduce-scatter, as it would be on the process group's one NCCL stream (whether NCCL then runs the
-two at once is its own affair: `streams.py`). The compute stream waits for each collective's event
-before it reads the result. On a CPU the same calls are gloo's
+`reduce_scatter_stream`. CUDA then does not queue unit i-2's gather behind unit i's
+reduce-scatter, but NCCL still does: it runs one communicator's collectives in launch order
+whatever the stream, and both kinds run over one process group (`streams.py`; FSDP2 alike). The
+compute stream waits for each collective's event before it reads the result, and only there. On a CPU the same calls are gloo's
 asynchronous collectives, with no stream at all.
 
 **Hybrid sharding (HSDP, `--strategy hsdp`).** Given a `replicate_group` (`mesh.py`: the ranks at
@@ -149,8 +149,9 @@ class FullyShardedDataParallel(DataParallelWrapper):
         self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.replicate_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.in_backward = False
-        # One side stream per kind of collective, as FSDP2's (streams.py): on a GPU a gather never
-        # queues behind a reduce-scatter; on a CPU each is gloo's asynchronous call.
+        # One side stream per kind of collective, as FSDP2's (streams.py): the compute stream waits
+        # only where it reads a result. Both kinds run over one communicator, and NCCL runs its
+        # collectives in launch order whatever the stream (streams.py). On a CPU: gloo's async calls.
         self.all_gather_stream, self.reduce_scatter_stream = SideStream(device), SideStream(device)
         # The gradients' collectives still in flight, across units (HSDP: over the copies too, on a
         # stream of their own at default priority, as FSDP2's all_reduce_stream).

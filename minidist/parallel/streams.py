@@ -1,12 +1,10 @@
-"""Side streams: where FSDP's collectives run, so that an all-gather never queues behind a reduce-scatter.
+"""Side streams: where FSDP's collectives run, apart from the compute stream, as FSDP2 runs them.
 
 A GPU runs the work queued on one CUDA stream in order, one item after another; work on two streams
-may run at the same time. So the stream a collective is queued on decides what it waits behind:
+may run at the same time. So the stream a collective is queued on decides what waits for it:
 
 - `async_op=True`: PyTorch's NCCL process group puts every collective of the group on the group's
-  one internal stream. In FSDP's backward, unit i's reduce-scatter is queued (at its post-backward),
-  then unit i-2's all-gather (the prefetch at unit i-1's pre-backward): on one stream the gather
-  cannot start before the reduce-scatter is over, and unit i-2's backward waits for both.
+  one internal stream, and the caller's `wait()` makes its current stream wait for it.
 - `async_op=False` inside `with torch.cuda.stream(s)`: since PyTorch PR #150398 (ProcessGroupNCCL,
   2025) a synchronous collective runs on the current stream, `s`. The caller chooses the stream.
 
@@ -18,12 +16,20 @@ the compute stream `wait_event` it before anything reads the result. A `SideStre
 stream, for one kind of collective: `launch(collective, *tensors)` runs it there and returns a handle
 whose `wait()` makes the compute stream wait for it. `fsdp.py` keeps one per kind.
 
-What two streams guarantee is the CUDA order only: the gather is no longer queued behind the
-reduce-scatter, and the compute stream waits for nothing it does not read. Whether two NCCL kernels
-of one process group (one communicator) then make progress at the same time is NCCL's business and
-not promised (NCCL issue #217: "no guarantee that two NCCL operations will be able to make progress
-concurrently"; PyTorch issue #137390: NCCL may serialize collectives issued to one communicator).
-Only a GPU trace shows what happens.
+**What two streams do not buy on NCCL.** In backward unit i's reduce-scatter is launched (at its
+post-backward), then unit i-2's all-gather (the prefetch at unit i-1's pre-backward). On two streams
+CUDA no longer orders the gather behind the reduce-scatter, but NCCL does: the collectives of one
+communicator always run one after another, in the order they were launched, whatever the stream
+(NCCL's `src/enqueue.cc`, `ncclLaunchPrepare` and `ncclLaunchFinish`: every user stream of a launch
+waits on the communicator's own `deviceStream`, and it on them, since NCCL 2.13; "NCCL collective
+operations on a given communicator are always serialized; NCCL adds CUDA events to enforce that",
+NVIDIA/nccl#574, as two collectives would share its buffers). Both kinds run over the same
+process group (`fsdp.group`: one communicator), so the gather still waits for the reduce-scatter
+before it, and unit i-2's backward for both. FSDP2 has the same limit. A communicator of its own
+for the reduce-scatters (a second process group over the same ranks) would lift it, at the risk
+NCCL warns of when two communicators' kernels wait on each other across GPUs; minidist does not.
+What the streams do give: the compute stream waits for a collective only where it reads the result
+(the event), and the code has FSDP2's shape, memory rule included.
 
 **Memory across streams (the lesson).** PyTorch's CUDA caching allocator hands a freed block to the
 next allocation *on the stream that allocated it*, without waiting for other streams. A tensor that

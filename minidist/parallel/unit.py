@@ -75,7 +75,7 @@ class Unit:
         """Start the all-gather of this unit (asynchronous); `wait` finishes it."""
         if self.state != "sharded":
             return
-        side = self.fsdp.all_gather_stream  # gathers never queue behind reduce-scatters (streams.py)
+        side = self.fsdp.all_gather_stream  # its own stream, as FSDP2's (NCCL still orders it: streams.py)
         if self.frozen is not None:
             self.frozen.gather(side)
         if self.layout.numel:
