@@ -154,3 +154,30 @@ def run_finetunes_then_refusals(argvs, refused_argvs) -> tuple[list, list]:
         except UsageError as err:
             lines.append(str(err))
     return results, lines
+
+
+def count_reduce_scatters(argvs) -> list[int]:
+    """Several runs, as `run_finetunes`, each of one step; for each, how many reduce-scatters this
+    rank launched: the hand-written FSDP's (`comm.reduce_scatter`, one per unit and reduction) and
+    FSDP2's (`foreach_reduce`, one per parameter group and reduction)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from minidist.parallel import comm
+
+    counts = [0]
+
+    def counting(real):
+        def counted(*args, **kwargs):
+            counts[-1] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    real_hand, real_torch = comm.reduce_scatter, _fsdp_param_group.foreach_reduce
+    comm.reduce_scatter, _fsdp_param_group.foreach_reduce = counting(real_hand), counting(real_torch)
+    try:
+        for argv in argvs:
+            run_finetune(argv)
+            counts.append(0)
+    finally:
+        comm.reduce_scatter, _fsdp_param_group.foreach_reduce = real_hand, real_torch
+    return counts[:-1]

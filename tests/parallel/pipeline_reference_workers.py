@@ -141,7 +141,7 @@ def torch_1f1b_refusal(group, ref):
     """What PyTorch's `Schedule1F1B` says to fewer micro-batches than stages (m = p - 1)."""
     stage, _, _ = my_stage(group)
     hidden = torch.empty(1, 16, stage.config.hidden_size, dtype=torch.float64, device="meta", requires_grad=True)
-    pipeline_stage = PipelineStage(reference.StageModule(stage), stage.rank, stage.pp, torch.device("cpu"),
+    pipeline_stage = PipelineStage(stage, stage.rank, stage.pp, torch.device("cpu"),
                                    input_args=hidden, output_args=hidden, group=group)
     try:
         Schedule1F1B(pipeline_stage, stage.pp - 1, loss_fn=lambda output, target: output)

@@ -9,8 +9,8 @@ last stage's summed token loss, scaled in PyTorch's `loss_fn` by the data-parall
 global batch's target count (`step.py`'s module doc says why a sum over the global count), and
 the micro-batches are the loop's gradient-accumulation steps.
 
-**What crosses, and why through a thin module.** `Stage.forward(hidden, batch)` takes a dict;
-PyTorch's stage calls its module as `module(*args, **kwargs)` and treats the two differently:
+**What crosses, and in which argument.** PyTorch's stage calls its module as
+`module(*args, **kwargs)` and treats the two differently:
 
 - the positional arguments are what crosses a cut. Stage 0 gets them from the caller (its token
   ids, which it embeds); every other stage gets them from the stage before, in a buffer PyTorch
@@ -19,6 +19,19 @@ PyTorch's stage calls its module as `module(*args, **kwargs)` and treats the two
 - the keyword arguments never cross: each rank hands its own copy of the micro-batch's attention
   mask and labels to its own stage (every stage reads the same micro-batches, `stages.py`), and
   PyTorch gives them to the module as they are. The last stage computes its loss from its labels.
+
+`stages.Stage.forward` takes that call as well as the hand-written executor's `(hidden, batch)`,
+so PyTorch's stage is built around the `Stage` itself.
+
+**The stage itself, for FSDP2's sake.** Under `--impl torch --strategy fsdp` the stage *is* FSDP2's
+module (`fully_shard` changes its class in place), and PyTorch's stage checks for that
+(`isinstance(submod, FSDPModule)`): it runs every micro-batch's backward with gradient sync off and
+resharding after backward off (`backward_maybe_with_nosync`), and after the last one calls FSDP2's
+post-backward itself (`perform_reduce_grad`): one reduce-scatter per unit per step, whatever the
+number of micro-batches. Handed a module around the stage, it would see no FSDP2 module, and FSDP2
+would reduce-scatter after every micro-batch's backward: m times the bytes
+(`tests/parallel/test_pipeline_reduce_scatters.py` counts them, for both FSDPs). The price is
+PyTorch's choice too: a stage's units stay gathered from their first backward to the step's end.
 
 PyTorch's schedule also wants a `target` per micro-batch on the last stage, to pass to `loss_fn`;
 the labels go there too, but `loss_fn` does not need them: the stage has already summed the loss.
@@ -65,35 +78,16 @@ logits cut by vocabulary, under `loss_parallel()`, which the strategy holds arou
 and DTensor's loss needs the context for both (left out, the first forward raised "aten.nll_loss_forward
 .default got mixed torch.Tensor and DTensor": seen).
 
-**What it does not do (yet).** The stage runs as it is, with no data-parallel wrapper
-around it (PyTorch's stage would handle a DDP or FSDP2 module itself: no_sync, and the reduction
-after the last backward). Checked on CPU ranks (gloo) only.
+Checked on CPU ranks (gloo) only.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from minidist import packing
 from minidist.parallel.pipeline import schedules
-
-
-class StageModule(nn.Module):
-    """`stage` (a `stages.Stage`) as PyTorch's stage calls it: what crosses positional, the rest
-    as keywords (module doc). Its parameters are the stage's, the same tensors."""
-
-    def __init__(self, stage):
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, crossing: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        batch = {"attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
-        if self.stage.is_first:
-            return self.stage(None, {"input_ids": crossing, **batch})
-        return self.stage(crossing, batch)
 
 
 class TorchExecutor:
@@ -114,7 +108,7 @@ class TorchExecutor:
             raise ValueError(f"stage {stage.rank} of {stage.pp} must run on rank {stage.rank} of a group of "
                              f"{stage.pp}, not rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
         self.stage, self.m, self.group, self.dp_size = stage, m, group, dp_size
-        self.module = StageModule(stage)
+        self.module = stage  # FSDP2's module itself, where FSDP2 shards it (module doc)
         use_1f1b = schedule_name == "1f1b" and m >= stage.pp  # PyTorch refuses 1F1B with m < p (module doc)
         self.schedule_class = Schedule1F1B if use_1f1b else ScheduleGPipe
         parameter = next(stage.parameters())

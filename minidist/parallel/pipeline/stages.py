@@ -60,7 +60,11 @@ class Stage(nn.Module):
     `forward(hidden, batch)`: the first stage ignores `hidden` and embeds `batch["input_ids"]`;
     every stage runs its layers; the last returns the micro-batch's summed next-token loss (as the
     loop's `step.token_loss_sum`; `loss_sum` computes it, replaced under tensor parallelism), or its
-    logits when the batch has no labels (generation), the others their output hidden states."""
+    logits when the batch has no labels (generation), the others their output hidden states.
+    PyTorch's `PipelineStage` calls it as `forward(crossing, attention_mask=..., labels=...,
+    position_ids=...)` instead: what crosses a cut positional (the first stage's token ids), the
+    rest as keywords (`reference.py`). The stage takes both, so that PyTorch's schedule runs the
+    stage itself, FSDP2's module when FSDP2 shards it, and not a module around it."""
 
     def __init__(self, model: nn.Module, rank: int, pp: int):
         super().__init__()
@@ -95,7 +99,11 @@ class Stage(nn.Module):
         mine = {id(p) for p in self.parameters()}
         return {name: p for name, p in model.named_parameters() if id(p) in mine}
 
-    def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | None, batch: dict | None = None, **keywords) -> torch.Tensor:
+        if batch is None:  # PyTorch's call (class doc): the first stage's crossing is its token ids
+            batch = keywords
+            if self.is_first:
+                hidden, batch = None, {"input_ids": hidden, **keywords}
         with self.autocast():  # as step.token_loss_sum runs the whole model's forward, the loss outside
             logits_or_hidden = self._layers(hidden, batch)
         if not self.is_last or "labels" not in batch:  # generation (`pipeline/generate.py`): the logits themselves
