@@ -110,7 +110,8 @@
 #
 # Environment variables (all optional): IMPL (minidist or torch), MODEL, DATA, OUTPUT_DIR, RUN_NAME,
 # TOTAL_BATCH_SIZE, BATCH_SIZE_PER_DEVICE, ACCUMULATE_SHARDED, PACK, GPUS_PER_NODE, MASTER_PORT, SAVE_STEPS,
-# PET_SHUTDOWN_TIMEOUT, SITE_SETUP, SCRATCH, HF_HOME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA; and, read
+# PET_SHUTDOWN_TIMEOUT, SITE_SETUP, SCRATCH, HF_HOME, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG,
+# TORCH_NCCL_TRACE_BUFFER_SIZE, PYTORCH_CUDA_ALLOC_CONF (the defaults below); and, read
 # by sbatch itself, SBATCH_CONSTRAINT. Arguments after the script name go to minidist.finetune
 # unchanged and override the defaults below (`--impl torch` as well as IMPL=torch).
 #
@@ -196,6 +197,23 @@ outputs "${RUN_NAME:-chess}-$SLURM_JOB_ID"
 # begins without one. Removed before it is named, so a warning now cannot be lost to the `rm`.
 rm -f "$OUTPUT_DIR/stop-requested"
 export MINIDIST_STOP_FILE=$OUTPUT_DIR/stop-requested
+# What a GPU job should leave behind when it goes wrong, unless the site or the learner chose
+# otherwise (each is only read by a GPU build of torch; the CPU ranks of the tests ignore them):
+# - NCCL's warnings (NCCL_DEBUG=WARN): a connection that fails names itself, where NCCL says nothing
+#   by default; INFO adds the rings and channels it built (lesson 10).
+# - PyTorch's flight recorder: each rank keeps its last 2,000 collectives, and when one times out
+#   writes them to OUTPUT_DIR/nccl-trace/rank-<rank> (TORCH_NCCL_TRACE_BUFFER_SIZE,
+#   TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_NCCL_DEBUG_INFO_TEMP_FILE: the names every torch from 2.6 on
+#   reads), which `python -m torch.distributed.flight_recorder.fr_trace OUTPUT_DIR/nccl-trace` reads
+#   back: which rank stopped at which collective, the question a hang asks.
+# - The caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
+#   a segment grows by mapping more memory instead of new blocks of fixed sizes, so fragmentation
+#   does not turn a run that fits into one that runs out of memory.
+mkdir -p "$OUTPUT_DIR/nccl-trace"
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000} TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$OUTPUT_DIR/nccl-trace/rank-}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # The total batch stays fixed; whatever one device cannot hold at once is accumulated. With
 # --tp_size T among the arguments (lesson 11), T GPUs share each micro-batch; with --pp_size P

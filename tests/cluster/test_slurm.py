@@ -348,12 +348,14 @@ def test_chess_finetune_trains_on_one_node_with_the_cpus_it_asked_for(jobs):
     assert "minidist/fsdp on 2 x cpu" in log and "step    2/2" in log  # the hand-written FSDP by default
     assert "--pack: sdpa with a block-diagonal causal mask" in log  # games packed into rows by default (PACK=1)
     assert "legal-move rate after training" in log
-    # The model cache under SCRATCH, made by the script; one line for the node, no network variable
-    # (the empty NCCL_SOCKET_IFNAME was not passed on); no GPU constraint asked for.
+    # The model cache under SCRATCH, made by the script; one line for the node, with NCCL's warnings
+    # on and no other network variable (the empty NCCL_SOCKET_IFNAME was not passed on); no GPU constraint.
     scratch = jobs.folder / "scratch"
     assert f"model cache: HF_HOME={scratch}/hf" in log and (scratch / "hf").is_dir(), log
     nodes = node_lines(log)
-    assert list(nodes) == [record["NodeList"]] and nodes[record["NodeList"]][1] == "", log
+    assert list(nodes) == [record["NodeList"]] and nodes[record["NodeList"]][1] == "NCCL_DEBUG=WARN", log
+    # The flight recorder's folder, where a rank that times out in a collective writes its last ones.
+    assert (jobs.outs["one-node"] / "nccl-trace").is_dir()
     assert "GPU constraint: none" in log
     assert (jobs.outs["one-node"] / "model" / "config.json").exists()
     # slurmd prints the cores it binds each task to: the batch shell's, then srun's one task.
@@ -377,7 +379,7 @@ def test_two_nodes_stop_at_a_warning_requeue_and_resume(jobs, slurm_cluster):
     # One line per node, each with the NCCL settings as the ranks there see them.
     nodes = slurm_cluster.run("scontrol", "show", "hostnames", record["NodeList"]).stdout.split()
     assert {name: network for name, (_, network) in node_lines(first).items()} == {
-        name: "NCCL_IB_HCA=mlx5_0 NCCL_SOCKET_IFNAME=lo" for name in nodes}, first
+        name: "NCCL_DEBUG=WARN NCCL_IB_HCA=mlx5_0 NCCL_SOCKET_IFNAME=lo" for name in nodes}, first
     assert set(node_lines(second)) == set(nodes), second
     # Each node's torchrun publishes the address SLURM reaches it at (NodeAddr, 127.0.0.1 here), not
     # its host name, and gloo uses the interface that holds it (allocation.sh's node_addresses).
