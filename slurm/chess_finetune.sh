@@ -278,10 +278,6 @@ fi
 # where it wins (see the header; the rule is allocation.sh's sharded_accumulation, lesson 00's estimate reads it too).
 sharded_accumulation "$@"
 
-# The smallest GPU of the job against this run's memory estimate: refused in one line, with what
-# would fit, where it would run out of memory at its first step (allocation.sh, minidist/memory/fit.py).
-gpu_memory_check "$@"
-
 # A checkpoint from an earlier start of this job (or an earlier job with this OUTPUT_DIR): go on from it.
 # A start killed just after publishing its first checkpoint leaves no `latest` yet: --resume finds
 # the checkpoint all the same (the newest complete one, and says so).
@@ -311,6 +307,23 @@ fi
 # the second between srun's start and its tasks' start, srun drops: the stop file stands in, and
 # the ranks stop after their first step, with a checkpoint (a CI run saw this happen).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-270}
+# Whether this site's torchrun can do either is read from its own flags, not assumed from a version:
+# one line for each it cannot do, and what then happens at the time limit.
+TORCHRUN_FLAGS=$(torchrun --help 2>/dev/null) || true
+if [[ $TORCHRUN_FLAGS != *--signals-to-handle* ]]; then
+    echo "warning: this torchrun cannot pass SLURM's warning (USR1) on to its workers (--signals-to-handle, torch" \
+         ">= 2.9): at the time limit it dies of the signal, and the ranks save only if they outlive it; else" \
+         "the next start resumes from the last SAVE_STEPS checkpoint (lower SAVE_STEPS to lose less)"
+elif [[ $TORCHRUN_FLAGS != *--shutdown-timeout* ]]; then
+    echo "warning: this torchrun gives its workers 30 s after SLURM's warning, not PET_SHUTDOWN_TIMEOUT=$PET_SHUTDOWN_TIMEOUT" \
+         "(--shutdown-timeout, a newer torch): a save that takes longer is cut, and the next start resumes from" \
+         "the checkpoint before it"
+fi
+
+# The smallest GPU of the job against this run's memory estimate: refused in one line, with what
+# would fit, where it would run out of memory at its first step (allocation.sh, minidist/memory/fit.py).
+gpu_memory_check "$@"
+
 requeue() {  # last: the real `scontrol requeue` ends this job at once and queues it again
     # Where the next start goes on from, decided as it will decide on --resume (above): `latest`, or a
     # checkpoint-<step> without it (--resume then finds the newest complete one), or nothing.

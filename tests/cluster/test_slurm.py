@@ -172,11 +172,19 @@ class Jobs:
         return job
 
     def planted_gpus(self, name: str, mib: int) -> Path:
-        """A site file that also puts a planted `nvidia-smi` first on PATH: two "GPUs" of `mib` MiB on
-        every node, as nvidia-smi answers the scripts' two questions (describe_nodes' and
-        gpu_memory_check's). Returns the site file, for SITE_SETUP."""
+        """A site file that also puts a planted `nvidia-smi` and `torchrun` first on PATH: two "GPUs" of
+        `mib` MiB on every node, as nvidia-smi answers the scripts' two questions (describe_nodes'
+        and gpu_memory_check's), and a torchrun whose --help lists neither --signals-to-handle nor
+        --shutdown-timeout, as before torch 2.9 (it runs the real one for anything else). Returns the
+        site file, for SITE_SETUP."""
         bin_dir = self.folder / f"{name}-bin"
         bin_dir.mkdir()
+        old_torchrun = bin_dir / "torchrun"
+        old_torchrun.write_text(f"""#!/bin/bash
+if [[ $1 == --help ]]; then echo "usage: torchrun [--nnodes NNODES] [--nproc-per-node NPROC] ..."; exit 0; fi
+exec {VENV_BIN}/torchrun "$@"
+""")
+        old_torchrun.chmod(0o755)
         smi = bin_dir / "nvidia-smi"
         smi.write_text(f"""#!/bin/bash
 for gpu in 0 1; do
@@ -470,6 +478,8 @@ def test_gpus_too_small_for_the_estimate_stop_the_job_before_loading_with_one_li
     assert line.startswith("error: the estimated peak, ") and " MB per GPU, and 5.00 GB for what it leaves out" in line, log
     assert "are more than the 4.29 GB of the smallest GPU here: the run would stop, out of memory" in line, log
     assert "what fits (estimated peak): none of --accumulate_sharded" in line and "step " not in log, log
+    # Its planted torchrun is an old one: the script read its flags and said what it cannot do.
+    assert "warning: this torchrun cannot pass SLURM's warning (USR1) on to its workers" in log, log
     [(_, other)] = jobs.wait("gpu80")
     assert "GPU memory: not checked (no nvidia-smi on the nodes)" in other, other
 
