@@ -34,6 +34,8 @@ import argparse
 import math
 from dataclasses import dataclass, field, fields
 
+from minidist.runtime import torch_features
+
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")  # over one group of all the ranks (lesson 00's tables go over these)
 HYBRID = ("hsdp",)  # FSDP within each node, its copies across nodes (mesh.py)
 IMPLEMENTATIONS = ("minidist", "torch")
@@ -152,6 +154,8 @@ class ParallelOptions:
         if self.name not in PIPELINE_WITH:
             raise ValueError(f"--pp_size composes with {' or '.join(PIPELINE_WITH)} over the data-parallel ranks, "
                              f"not {self.name}")
+        if self.impl == "torch":  # PyTorch's schedules: their scale_grads, which torch 2.6's lack
+            torch_features.require("pipeline_scale_grads")
         # accumulate_sharded: PyTorch's schedule decides itself which backward reduce-scatters; the hand-written
         # FSDP's sharded accumulation under a pipeline has not been tried.
         for flag in ("sequence_parallel", "cpu_offload", "accumulate_sharded"):

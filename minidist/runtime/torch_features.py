@@ -1,0 +1,46 @@
+"""What this torch can do, asked of torch itself, where a feature is used: one line where it cannot.
+
+`requirements.txt` admits torch 2.6 and newer (FSDP2's public `fully_shard`), what clusters have;
+CI runs 2.13. A few things minidist uses came later than 2.6. Each is probed here, from the API itself rather than
+from a version number (a site's build may carry a backport, and a nightly has no release number), and
+asked for where it is needed: a run that needs one this torch lacks stops before the model loads,
+in one line that says what is missing, what uses it, and what to do instead.
+
+- `pipeline_scale_grads`: PyTorch's pipeline schedules take `scale_grads` (torch 2.6's do not).
+  Lesson 12's `--impl torch --pp_size` passes `scale_grads=False`: the loss is already divided by the
+  global batch's target count, and 2.6's schedules would divide the gradients by m again.
+- torchrun's signals: torchrun forwards signals to its workers (`--signals-to-handle`, torch 2.9)
+  and waits for them to exit (`--shutdown-timeout`). The SLURM script reads torchrun's own flags
+  (`slurm/chess_finetune.sh`) and says in one line what a site's torchrun cannot do.
+- Collectives on the caller's stream: since PyTorch PR #150398 (2.8) a synchronous NCCL collective
+  runs on the current stream, and the hand-written FSDP's side streams (`parallel/streams.py`) are
+  then where its collectives run. Before it, ProcessGroupNCCL runs them on its own stream and makes
+  the caller's stream wait: the same results, in the same order, with the side streams only
+  waiting. Nothing to refuse, so nothing is probed.
+"""
+
+import inspect
+
+
+def pipeline_scale_grads() -> bool:
+    """Whether PyTorch's pipeline schedules take `scale_grads` (module doc)."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return "scale_grads" in inspect.signature(Schedule1F1B).parameters
+
+
+FEATURES = {  # name -> (probe, what needs it, what to do instead)
+    "pipeline_scale_grads": (pipeline_scale_grads, "PyTorch's pipeline schedules (--impl torch --pp_size) need "
+                             "their scale_grads argument",
+                             "use the hand-written pipeline (--impl minidist) or a newer torch (2.13 has it)"),
+}
+
+
+def require(name: str) -> None:
+    """Raise a ValueError, in one line, if this torch lacks the feature `name` (`FEATURES`): the
+    options' own kind of refusal, which every command says in one line."""
+    import torch
+
+    probe, needs, instead = FEATURES[name]
+    if not probe():
+        raise ValueError(f"{needs}, which torch {torch.__version__} does not have: {instead}")
