@@ -136,7 +136,11 @@ def device_mesh(device_type: str, shape: tuple[int, ...] | None = None, names: t
 def release_device_meshes() -> None:
     """Forget every mesh built, and the process groups each holds (before the process group is destroyed)."""
     for mesh in _device_meshes.values():
-        mesh._pg_registry.clear()  # a private field: the mesh outlives us in DTensor's caches
+        # A private field: the mesh outlives us in DTensor's caches. Older meshes (torch 2.6) keep
+        # the groups' names only (`_dim_group_infos`), not the groups: nothing to let go of there.
+        registry = getattr(mesh, "_pg_registry", None)
+        if registry is not None:
+            registry.clear()
     _device_meshes.clear()
 
 

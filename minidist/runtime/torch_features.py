@@ -9,6 +9,10 @@ in one line that says what is missing, what uses it, and what to do instead.
 - `pipeline_scale_grads`: PyTorch's pipeline schedules take `scale_grads` (torch 2.6's do not).
   Lesson 12's `--impl torch --pp_size` passes `scale_grads=False`: the loss is already divided by the
   global batch's target count, and 2.6's schedules would divide the gradients by m again.
+- `fsdp2_on_cpu`: FSDP2 records an event on its streams after each collective; on CPU ranks (gloo,
+  the laptop and the tests) those are `torch.cpu.Stream`s, which have `record_event` in 2.13 and not
+  in 2.6 ("'Stream' object has no attribute 'record_event'" in the first forward). On a GPU, CUDA's
+  streams always had it.
 - torchrun's signals: torchrun forwards signals to its workers (`--signals-to-handle`, torch 2.9)
   and waits for them to exit (`--shutdown-timeout`). The SLURM script reads torchrun's own flags
   (`slurm/chess_finetune.sh`) and says in one line what a site's torchrun cannot do.
@@ -29,10 +33,20 @@ def pipeline_scale_grads() -> bool:
     return "scale_grads" in inspect.signature(Schedule1F1B).parameters
 
 
+def fsdp2_on_cpu() -> bool:
+    """Whether FSDP2 can run on CPU ranks: CPU streams that record events (module doc)."""
+    import torch
+
+    return hasattr(torch.cpu.Stream, "record_event")
+
+
 FEATURES = {  # name -> (probe, what needs it, what to do instead)
     "pipeline_scale_grads": (pipeline_scale_grads, "PyTorch's pipeline schedules (--impl torch --pp_size) need "
                              "their scale_grads argument",
                              "use the hand-written pipeline (--impl minidist) or a newer torch (2.13 has it)"),
+    "fsdp2_on_cpu": (fsdp2_on_cpu, "PyTorch's FSDP2 on CPU ranks (--impl torch without a GPU) needs CPU streams that "
+                     "record events",
+                     "use the hand-written FSDP (--impl minidist), a GPU, or a newer torch (2.13 has it)"),
 }
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from minidist.parallel import precision
+from minidist.runtime import torch_features
 from minidist.strategy.base import Strategy, _local, wrap_policy_classes
 from minidist.strategy.clip import alike_ranges
 from minidist.strategy.options import ADAMW_OPTIONS
@@ -155,6 +156,11 @@ class TorchFSDP(Strategy):
     `parallelize_module` and fully_shard goes around the slices, as torchtitan composes them."""
 
     torch_order = True
+
+    def __init__(self, options, env, mesh=None):
+        super().__init__(options, env, mesh)
+        if env.device.type == "cpu":  # gloo's ranks: FSDP2 records events on CPU streams (torch_features.py)
+            torch_features.require("fsdp2_on_cpu")
 
     def load_model(self, name_or_path):
         """Only rank 0 reads the weights; the others build the model on the meta device (shapes,

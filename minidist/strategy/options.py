@@ -154,13 +154,13 @@ class ParallelOptions:
         if self.name not in PIPELINE_WITH:
             raise ValueError(f"--pp_size composes with {' or '.join(PIPELINE_WITH)} over the data-parallel ranks, "
                              f"not {self.name}")
-        if self.impl == "torch":  # PyTorch's schedules: their scale_grads, which torch 2.6's lack
-            torch_features.require("pipeline_scale_grads")
         # accumulate_sharded: PyTorch's schedule decides itself which backward reduce-scatters; the hand-written
         # FSDP's sharded accumulation under a pipeline has not been tried.
         for flag in ("sequence_parallel", "cpu_offload", "accumulate_sharded"):
             if getattr(self, flag):
                 raise ValueError(f"--{flag} with --pp_size has not been built: use one or the other")
+        if self.impl == "torch":  # PyTorch's schedules: their scale_grads, which torch 2.6's lack
+            torch_features.require("pipeline_scale_grads")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -56,7 +56,8 @@ def test_every_named_change_fits_and_the_run_as_given_does_not():
 
 @pytest.mark.parametrize("argv, expected", [
     (["tiny", "--must_fit"], "--must_fit needs --gpu_memory"),
-    (["tiny", "--gpu_memory", "80GB", "--must_fit", "--pp_size", "2"], "checks runs without --pp_size"),
+    (["tiny", "--impl", "minidist", "--gpu_memory", "80GB", "--must_fit", "--pp_size", "2"],
+     "checks runs without --pp_size"),
 ])
 def test_must_fit_without_what_it_needs_is_one_line(capsys, argv, expected):
     assert expected in said(memory_command.main, argv, capsys)

@@ -1,9 +1,10 @@
 """A feature that this torch lacks is refused in one line where it is asked for (`runtime/torch_features.py`).
 
-The torch here has every one; an older one is planted: PyTorch's pipeline schedule as torch 2.6
-shipped it, without `scale_grads`. Then lesson 12's PyTorch pipeline (`--impl torch --pp_size 2`)
-stops before the model loads, in the training script and the memory estimate alike, while the
-hand-written pipeline still runs its checks through.
+Torch 2.13 has every one; what 2.6 lacks is planted: PyTorch's pipeline schedule without
+`scale_grads`, and CPU streams without `record_event`. Then lesson 12's PyTorch pipeline (`--impl
+torch --pp_size 2`) stops before the model loads, in the training script and the memory estimate
+alike, while the hand-written pipeline still runs its checks through; and FSDP2 on CPU ranks stops
+before the model loads, where the hand-written FSDP runs.
 """
 
 import pytest
@@ -23,8 +24,16 @@ class OldSchedule1F1B:
         pass
 
 
-def test_this_torch_has_every_feature():
-    assert all(probe() for probe, _, _ in torch_features.FEATURES.values())
+@pytest.mark.parametrize("name", list(torch_features.FEATURES))
+def test_a_feature_is_refused_exactly_where_this_torch_lacks_it(name):
+    """CI's torch has every feature; an older one (the compatibility runs) lacks some: either way
+    `require` agrees with the probe."""
+    probe, needs, _ = torch_features.FEATURES[name]
+    if probe():
+        torch_features.require(name)
+    else:
+        with pytest.raises(ValueError, match=needs.split(" (")[0]):
+            torch_features.require(name)
 
 
 @pytest.fixture
@@ -46,3 +55,17 @@ def test_the_hand_written_pipeline_does_not_ask_for_it(old_torch, capsys):
     memory_command.main(["tiny", "--impl", "minidist", "--strategy", "fsdp", "--pp_size", "2", "--world_size", "2",
                          "--gradient_accumulation_steps", "2"])
     assert "pipeline stages" in capsys.readouterr().out
+
+
+class OldCpuStream:
+    """torch 2.6's `torch.cpu.Stream`: no record_event."""
+
+
+def test_fsdp2_on_cpu_ranks_of_an_old_torch_is_one_line(monkeypatch, tiny_model, tmp_path, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "Stream", OldCpuStream)
+    line = said(finetune.main, ["--model", tiny_model, "--output_dir", str(tmp_path), "--impl", "torch",
+                                "--strategy", "fsdp", "--max_steps", "1"], capsys)
+    assert "PyTorch's FSDP2 on CPU ranks (--impl torch without a GPU) needs CPU streams that record events" in line
+    assert "use the hand-written FSDP (--impl minidist), a GPU, or a newer torch" in line, line
