@@ -45,7 +45,7 @@ from minidist.checkpoint.session import Session
 from minidist.chess import jsonl, legal_moves
 from minidist.chess.games import bundled_games
 from minidist.hf import lora, model_folder, models
-from minidist.runtime import divergence, metrics, tensorboard
+from minidist.runtime import divergence, metrics, tensorboard, torch_features
 from minidist.runtime.distributed import cleanup, init_distributed, use_cores_for_offload
 from minidist.runtime.errors import ArgumentParser, UsageError, one_line_errors
 from minidist.memory import measure
@@ -345,6 +345,8 @@ def _check_pipeline(args, lora_options: lora.LoraOptions) -> None:
     """What pipeline parallelism does not do yet, each in one line (a ValueError)."""
     if lora.enabled(lora_options):
         raise ValueError("LoRA with --pp_size has not been built: use one or the other")
+    if args.impl == "torch" and args.gradient_accumulation_steps < args.pp_size:  # GPipe with m < p (reference.py)
+        torch_features.require("pipeline_fewer_microbatches")
     # checkpoints: every strategy a pipeline composes with, in both forms (strategy/state/pipeline.py)
 
 

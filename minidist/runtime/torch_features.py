@@ -9,6 +9,10 @@ in one line that says what is missing, what uses it, and what to do instead.
 - `pipeline_scale_grads`: PyTorch's pipeline schedules take `scale_grads` (torch 2.6's do not).
   Lesson 12's `--impl torch --pp_size` passes `scale_grads=False`: the loss is already divided by the
   global batch's target count, and 2.6's schedules would divide the gradients by m again.
+- `pipeline_fewer_microbatches`: PyTorch's GPipe takes fewer micro-batches than stages (2.13's
+  does; 2.9's refuses, "Number of microbatches (1) must be greater than or equal to the number of
+  stages (2)", as 1F1B does in both). Lesson 12's PyTorch pipeline runs GPipe where m < p
+  (`parallel/pipeline/reference.py`), so such a run needs it: refused before the model loads.
 - `fsdp2_on_cpu`: FSDP2 records an event on its streams after each collective; on CPU ranks (gloo,
   the laptop and the tests) those are `torch.cpu.Stream`s, which have `record_event` in 2.13 and not
   in 2.6 ("'Stream' object has no attribute 'record_event'" in the first forward). On a GPU, CUDA's
@@ -33,6 +37,22 @@ def pipeline_scale_grads() -> bool:
     return "scale_grads" in inspect.signature(Schedule1F1B).parameters
 
 
+def pipeline_fewer_microbatches() -> bool:
+    """Whether PyTorch's `ScheduleGPipe` takes fewer micro-batches than stages (module doc): asked of
+    its constructor, on a stand-in for a stage of 2 that carries only what the check reads."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    try:
+        ScheduleGPipe(SimpleNamespace(num_stages=2), 1)
+    except ValueError as refused:
+        return "microbatches" not in str(refused)
+    except (AttributeError, TypeError):  # past the check: the stand-in lacks what a real stage has
+        return True
+    return True
+
+
 def fsdp2_on_cpu() -> bool:
     """Whether FSDP2 can run on CPU ranks: CPU streams that record events (module doc)."""
     import torch
@@ -44,6 +64,10 @@ FEATURES = {  # name -> (probe, what needs it, what to do instead)
     "pipeline_scale_grads": (pipeline_scale_grads, "PyTorch's pipeline schedules (--impl torch --pp_size) need "
                              "their scale_grads argument",
                              "use the hand-written pipeline (--impl minidist) or a newer torch (2.13 has it)"),
+    "pipeline_fewer_microbatches": (pipeline_fewer_microbatches, "PyTorch's pipeline with fewer micro-batches "
+                                    "(--gradient_accumulation_steps) than stages (--pp_size) needs a GPipe that takes them",
+                                    "give at least as many micro-batches as stages, use the hand-written pipeline "
+                                    "(--impl minidist), or a newer torch (2.13 has it)"),
     "fsdp2_on_cpu": (fsdp2_on_cpu, "PyTorch's FSDP2 on CPU ranks (--impl torch without a GPU) needs CPU streams that "
                      "record events",
                      "use the hand-written FSDP (--impl minidist), a GPU, or a newer torch (2.13 has it)"),

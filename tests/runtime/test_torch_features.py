@@ -69,3 +69,24 @@ def test_fsdp2_on_cpu_ranks_of_an_old_torch_is_one_line(monkeypatch, tiny_model,
                                 "--strategy", "fsdp", "--max_steps", "1"], capsys)
     assert "PyTorch's FSDP2 on CPU ranks (--impl torch without a GPU) needs CPU streams that record events" in line
     assert "use the hand-written FSDP (--impl minidist), a GPU, or a newer torch" in line, line
+
+
+class GPipeOf29:
+    """torch 2.9's `ScheduleGPipe`, which refuses fewer micro-batches than stages, as its 1F1B does."""
+
+    def __init__(self, stage, n_microbatches, *args, **kwargs):
+        if n_microbatches < stage.num_stages:
+            raise ValueError(f"Number of microbatches ({n_microbatches}) must be greater than or equal to the number "
+                             f"of stages ({stage.num_stages}).")
+
+
+def test_the_pytorch_pipeline_with_fewer_micro_batches_than_stages_on_torch_29_is_one_line(monkeypatch, tiny_model,
+                                                                                            tmp_path, capsys):
+    monkeypatch.setattr(pipelining, "ScheduleGPipe", GPipeOf29)
+    assert not torch_features.pipeline_fewer_microbatches()
+    argv = ["--model", tiny_model, "--output_dir", str(tmp_path), "--impl", "torch", "--strategy", "fsdp",
+            "--pp_size", "2", "--gradient_accumulation_steps", "1"]
+    line = said(finetune.main, argv, capsys)
+    assert "PyTorch's pipeline with fewer micro-batches (--gradient_accumulation_steps) than stages (--pp_size) " \
+           "needs a GPipe that takes them" in line, line
+    assert "give at least as many micro-batches as stages" in line, line
