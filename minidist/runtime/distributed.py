@@ -313,7 +313,7 @@ def init_distributed(timeout_s: float | None = None, device_type: str | None = N
         addr = where["master_addr"]
         host = f"[{addr}]" if ":" in addr else addr  # IPv6 literals need brackets in a URL
         init_method = f"tcp://{host}:{port}"
-    _rendezvous(backend, init_method, where, port, timeout_s, wait_line_every_s)
+    _rendezvous(backend, init_method, where, port, timeout_s, wait_line_every_s, device)
     ranks = {k: where[k] for k in ("rank", "world_size", "local_rank", "local_world_size")}
     _env = DistEnv(**ranks, device=device, backend=backend)
     return _env
@@ -333,7 +333,17 @@ def _timeout_from_env(text: str | None) -> float:
     return seconds
 
 
-def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_s: float, every_s: float) -> None:
+def group_device(device: torch.device) -> dict:
+    """`init_process_group`'s `device_id` on a GPU: the group is bound to this rank's GPU, and NCCL's
+    communicator is made at once, inside `init_process_group`, where a peer that never comes is
+    caught by the rendezvous and its timeout. Without it the communicator is made lazily, by the
+    first collective: that first step is slow, and a missing peer hangs there instead. Nothing on
+    the CPU (gloo has no communicator to bind)."""
+    return {"device_id": device} if device.type == "cuda" else {}
+
+
+def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_s: float, every_s: float,
+                device: torch.device) -> None:
     """`init_process_group`, with the roll taken while the ranks wait for each other (`roll_call.py`),
     and a rendezvous that times out told in one line naming the ranks that never came."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent gathered the ranks
@@ -344,7 +354,8 @@ def _rendezvous(backend: str, init_method: str, where: dict, port: int, timeout_
     start, failed = time.monotonic(), True
     try:
         dist.init_process_group(backend=backend, init_method=init_method, rank=where["rank"],
-                                world_size=where["world_size"], timeout=timedelta(seconds=timeout_s))
+                                world_size=where["world_size"], timeout=timedelta(seconds=timeout_s),
+                                **group_device(device))
         failed = False
     except RuntimeError as err:  # torch's DistStoreError is one; a timeout is told as such, anything else raised
         if "EADDRINUSE" in str(err):  # rank 0 could not host the store: another program listens there
