@@ -93,6 +93,9 @@
 #   (on an A100-40GB: --gradient_checkpointing, --cpu_offload, or BATCH_SIZE_PER_DEVICE=2).
 # - Model cache: HF_HOME, by default $SCRATCH/hf (SCRATCH by default /scratch/$USER), not the home
 #   directory, whose quota the 13.5 GB model would fill; created if missing, one line if it cannot be.
+#   It and OUTPUT_DIR (below) need a file system every node of the job sees: where /scratch is
+#   each node's own disk (some sites), set SCRATCH to the shared one (`df -h`, or the site's
+#   documentation, says which).
 # - Outputs: OUTPUT_DIR, by default $SCRATCH/minidist/runs/chess-<job id>, not under the folder the
 #   job was submitted from (usually a clone in the home directory): a sharded checkpoint of
 #   CodeLlama-7b holds 80.9 GB, three are on the disk at once before the rotation removes the
