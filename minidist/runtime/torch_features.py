@@ -1,10 +1,13 @@
 """What this torch can do, asked of torch itself, where a feature is used: one line where it cannot.
 
-`requirements.txt` admits torch 2.6 and newer (FSDP2's public `fully_shard`), what clusters have;
-CI runs 2.13. A few things minidist uses came later than 2.6. Each is probed here, from the API itself rather than
-from a version number (a site's build may carry a backport, and a nightly has no release number), and
-asked for where it is needed: a run that needs one this torch lacks stops before the model loads,
-in one line that says what is missing, what uses it, and what to do instead.
+`requirements.txt` admits torch 2.9 and newer (README, "Which torch": the oldest on which the fast
+tier passes, and the first whose torchrun passes SLURM's warning on); CI runs 2.13, and `.ci/compat`
+runs the fast tier on others. A torch in that range may still lack what came later, and a cluster's
+own torch (a `module load`) may be older than the range. So each feature that some of them lack is
+probed here, from the API itself rather than from a version number (a site's build may carry a
+backport, and a nightly has no release number), and asked for where it is needed: a run that needs
+one this torch lacks stops before the model loads, in one line that says what is missing, what
+uses it, and what to do instead.
 
 - `pipeline_scale_grads`: PyTorch's pipeline schedules take `scale_grads` (torch 2.6's do not).
   Lesson 12's `--impl torch --pp_size` passes `scale_grads=False`: the loss is already divided by the
