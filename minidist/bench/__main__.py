@@ -16,7 +16,8 @@ AT_LEAST = {"world_size": 1, "hidden_size": 1, "num_layers": 1, "batch_size": 1,
             "steps": 1, "rounds": 1, "iters": 1, "factor": 2, "min_bytes": 4, "ranks_per_node": 1,
             # packing: a run of at least one step, rows of a token and its target (the loop's own minimum)
             "max_steps": 1, "max_seq_length": 2, "layout_world_size": 1, "layout_batch_size_per_device": 1,
-            "layout_accumulation": 1, "layout_max_seq_length": 2, "layout_steps": 1}
+            "layout_accumulation": 1, "layout_max_seq_length": 2, "layout_steps": 1,
+            "deadline_s": 0}  # the GPU check: 0 runs no row, and still writes what it knows
 
 
 def check(parser, args) -> None:
@@ -92,7 +93,10 @@ def main(argv=None) -> None:
                    help="folder for table.md, the profiler trace, its timeline and the memory snapshot")
     p.add_argument("--ranks_per_node", type=int, default=None,
                    help="the torchrun job (--nproc_per_node) whose CPU threads the offload rows are timed on "
-                        "(default: the GPUs this node shows)")
+                        "(default: 4, a capstone rank's share of its node; 1 with --smoke)")
+    p.add_argument("--deadline_s", type=float, default=None,
+                   help="start no row after this many seconds (default 540, within a 10-minute device call); "
+                        "table.md holds every finished row as it goes")
     args = parser.parse_args(argv)
     check(parser, args)
     if args.what == "gpu":

@@ -41,8 +41,16 @@ and a reduce-scatter of one decoder layer's bf16 weights through NCCL itself in 
 waiting for a slower rank need several GPUs.
 
 A second table (`offload.py`) sets ZeRO-2 and FSDP by hand with `--cpu_offload` beside themselves
-without it, timed on the CPU threads a torchrun rank would have (`threads.py`). The goals
-(`gpu_report.py`) close the output. Under `--out` it saves the table (`table.md`), a
+without it, timed on the CPU threads a torchrun rank would have (`threads.py`; by default a
+capstone rank's, one of 4 on its node, whatever the lent machine's GPU count). The goals
+(`gpu_report.py`) close the output.
+
+**Nothing measured is lost.** A lent GPU is held for 10 minutes a call, and a process killed at
+that limit keeps nothing it held in memory. So `table.md` is written again after every row, and no
+row starts after `--deadline_s` (540 s by default): the rows not run are listed at the end. A row
+under way is not cut.
+
+Under `--out` it saves the table (`table.md`), a
 `torch.profiler` trace of one hand-written FSDP step (open the JSON in chrome://tracing or
 Perfetto) with its timeline as a PNG (`timeline.py`, for lesson 05), and, on a GPU, the same
 step's memory snapshot for https://pytorch.org/memory_viz (`snapshot.py`).
@@ -70,6 +78,40 @@ SETUPS = [("torch", "ddp"), ("minidist", "ddp"), ("minidist", "zero1"), ("minidi
 ACCUMULATION = 2  # micro-batches per step: the first accumulates under no_sync, the last communicates
 # hidden 2048 x 20 layers: 1.01B parameters over the chess vocabulary. 16 x 512 tokens per micro-batch
 # is 16,384 per step; the hungriest setup (DDP without checkpointing) is 41 GB by the estimate.
+CAPSTONE_RANKS_PER_NODE = 4  # slurm/chess_finetune.sh: 4 GPUs a node, each rank a quarter of its CPUs
+# A lent GPU is held for 10 minutes a call: rows not started by then are listed, not run.
+DEADLINE_S = 540
+
+
+class Progress:
+    """The rows so far, on disk after every one: `table.md` is written again as each row finishes,
+    so that a run stopped at any moment (the device call's limit, a kill) keeps every row it
+    measured; and the deadline, looked at before each row starts (a row under way is not cut)."""
+
+    def __init__(self, out: Path, started: float, deadline_s: float):
+        self.path, self.started, self.deadline_s = out / "table.md", started, deadline_s
+        self.rows, self.not_run = [], []
+
+    def out_of_time(self, what: str) -> bool:
+        """True, and `what` noted as not run, once the deadline has passed."""
+        if time.perf_counter() - self.started <= self.deadline_s:
+            return False
+        self.not_run.append(what)
+        return True
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        self.path.write_text(f"{gpu_report.table(self.rows)}\n\n(in progress: {len(self.rows)} row(s) after "
+                             f"{time.perf_counter() - self.started:.0f} s; the whole report replaces this at the end)\n")
+        return row
+
+    def note(self) -> str:
+        """The line the report ends with where the deadline stopped the run; empty where it did not."""
+        if not self.not_run:
+            return ""
+        return (f"stopped at its deadline ({self.deadline_s:.0f} s, --deadline_s): not run: {'; '.join(self.not_run)}")
+
+
 SIZES = {"gpu": {"hidden_size": 2048, "num_layers": 20, "num_heads": 16, "batch": 16, "seq": 512, "warmup": 3,
                 "steps": 10},
          "smoke": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "batch": 2, "seq": 32, "warmup": 1, "steps": 3}}
@@ -185,9 +227,9 @@ def free(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def codellama(env, sizes, started: float, budget_s: float = 360.0) -> tuple[list[dict], str]:
+def codellama(env, sizes, progress: Progress) -> tuple[list[dict], str]:
     """CodeLlama-7b's shapes with FSDP at world size 1, by hand then PyTorch's, each where its
-    estimate fits the GPU (`run_setup`'s gate); on the CPU, its estimate only."""
+    estimate fits the GPU (`run_setup`'s gate) and the deadline allows; on the CPU, its estimate only."""
     from minidist.memory import estimator
 
     shape = dataclasses.replace(estimator.model_shape(str(CODELLAMA)), name="CodeLlama-7b")
@@ -198,11 +240,11 @@ def codellama(env, sizes, started: float, budget_s: float = 360.0) -> tuple[list
         return [], (f"{what}: not run (a smoke run on the CPU); estimate {need / 1e9:.1f} GB, so it runs on a GPU "
                     f"of at least {(need + RESERVE) / 1e9:.1f} GB")
     rows = []
-    for impl in ("minidist", "torch"):  # PyTorch's too, if the 8 minutes allow
-        if impl == "torch" and time.perf_counter() - started > budget_s:
-            return rows, f"{what}: torch/fsdp not run (out of time)"
+    for impl in ("minidist", "torch"):
+        if progress.out_of_time(f"{impl}/fsdp CodeLlama-7b"):
+            continue
         print(f"{impl}/fsdp, CodeLlama-7b ...", flush=True)
-        rows.append(run_setup(impl, "fsdp", True, str(CODELLAMA), big, env, shape))
+        rows.append(progress.add(run_setup(impl, "fsdp", True, str(CODELLAMA), big, env, shape)))
         free(env.device)
     return rows, what
 
@@ -220,17 +262,28 @@ def nccl_line(shape, env) -> str:
             f"minidist.bench allreduce).")
 
 
-def llama_rows(path, sizes, env, shape, out) -> list[dict]:
-    """The six setups with and without checkpointing, one at a time, on the Llama of `path`."""
+def llama_rows(path, sizes, env, shape, out, progress: Progress) -> list[dict]:
+    """The six setups with and without checkpointing, one at a time, on the Llama of `path`, each
+    on disk as it finishes and none started after the deadline (`progress`)."""
     rows = []
     for checkpointing in (False, True):
         for impl, strategy_name in SETUPS:
+            label = f"{impl}/{strategy_name}, checkpointing {'on' if checkpointing else 'off'}"
+            if progress.out_of_time(label):
+                continue
             traced = (impl, strategy_name, checkpointing) == TRACED
-            print(f"{impl}/{strategy_name}, checkpointing {'on' if checkpointing else 'off'} ...", flush=True)
-            rows.append(run_setup(impl, strategy_name, checkpointing, path, sizes, env, shape,
-                                  profile_to=out if traced else None))
+            print(f"{label} ...", flush=True)
+            rows.append(progress.add(run_setup(impl, strategy_name, checkpointing, path, sizes, env, shape,
+                                               profile_to=out if traced else None)))
             free(env.device)
     return rows
+
+
+def offload_ranks_per_node(given: int | None, device: torch.device) -> int:
+    """The ranks per node whose CPU threads the offload rows are timed on: `--ranks_per_node`, else
+    a capstone rank's share (4 a node) on a GPU, not the lent machine's GPU count, which on a
+    one-GPU machine would time offload on every core, four times a rank's; 1 on the CPU (--smoke)."""
+    return given or (CAPSTONE_RANKS_PER_NODE if device.type == "cuda" else 1)
 
 
 def header(args, env, sizes, shape) -> str:
@@ -260,7 +313,7 @@ def main(args) -> None:
     sizes = SIZES["smoke" if args.smoke else "gpu"]
     out = Path(args.out)
     env = init_distributed(device_type="cpu" if args.smoke else "cuda")  # gloo on the CPU, NCCL on cuda:0
-    ranks_per_node = args.ranks_per_node or (torch.cuda.device_count() if env.device.type == "cuda" else 1)
+    ranks_per_node = offload_ranks_per_node(args.ranks_per_node, env.device)
     try:
         with tempfile.TemporaryDirectory(prefix="minidist-gpu-check-") as folder:
             path = str(models.write_tiny_llama(folder, hidden_size=sizes["hidden_size"], num_layers=sizes["num_layers"],
@@ -269,16 +322,23 @@ def main(args) -> None:
             size = f"{shape.num_params / 1e9:.2f}B" if shape.num_params >= 1e9 else f"{shape.num_params / 1e6:.1f}M"
             shape = dataclasses.replace(shape, name=f"Llama {size}")
             print(header(args, env, sizes, shape), flush=True)
-            rows = llama_rows(path, sizes, env, shape, out)
-            print("with and without --cpu_offload ...", flush=True)  # bench/offload.py: ZeRO-Offload's price
-            offloaded = offload.compare(path, sizes, env, shape, random_batches(shape.vocab_size, sizes["batch"],
-                                        sizes["seq"], env.device), ACCUMULATION, ranks_per_node, os.environ)
-        big_rows, note = codellama(env, sizes, started)
-        text = "\n\n".join([gpu_report.table(rows + big_rows), note, offloaded, nccl_line(shape, env),
-                            "Goals:\n" + "\n".join(gpu_report.goals(rows + big_rows, shape.name))])
+            progress = Progress(out, started, DEADLINE_S if args.deadline_s is None else args.deadline_s)
+            rows = llama_rows(path, sizes, env, shape, out, progress)
+            offloaded = "with and without --cpu_offload: not run (the deadline)"
+            if not progress.out_of_time("the --cpu_offload rows"):
+                print("with and without --cpu_offload ...", flush=True)  # bench/offload.py: ZeRO-Offload's price
+                offloaded = offload.compare(path, sizes, env, shape, random_batches(shape.vocab_size, sizes["batch"],
+                                            sizes["seq"], env.device), ACCUMULATION, ranks_per_node, os.environ)
+        big_rows, note = codellama(env, sizes, progress)
+        measured = rows + big_rows
+        text = "\n\n".join(part for part in [
+            gpu_report.table(measured) if measured else "no row ran before the deadline", note, offloaded,
+            nccl_line(shape, env), "Goals:\n" + "\n".join(gpu_report.goals(measured, shape.name)) if measured else "",
+            progress.note()] if part)
         print(text)
         (out / "table.md").write_text(text + "\n")
-        written = [out / name for name in ("table.md", "trace_minidist_fsdp.json", "timeline_minidist_fsdp.png")]
+        written = [out / name for name in ("table.md", "trace_minidist_fsdp.json", "timeline_minidist_fsdp.png")
+                   if (out / name).exists()]  # the traced row may not have run before the deadline
         snapped = next((r["snapshot"] for r in rows if r.get("snapshot")), None)
         print(f"\nwrote {', '.join(map(str, written))} in {time.perf_counter() - started:.0f} s")
         print(f"memory snapshot of one minidist/fsdp step: {snapped}, open at {snapshot.VIEWER}" if snapped else

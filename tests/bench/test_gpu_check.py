@@ -7,6 +7,7 @@ environment). Only the snapshot, which is nothing but calls into `torch.cuda.mem
 against stand-ins for those calls."""
 
 import dataclasses
+import time
 import types
 from pathlib import Path
 
@@ -128,11 +129,17 @@ def test_the_goals_judge_fsdp_against_fsdp2_the_estimate_and_mfu():
     assert cpu[-1].startswith("MFU: no bf16 peak known")
 
 
+def test_offload_is_timed_on_a_capstone_ranks_threads_whatever_the_machines_gpus():
+    assert gpu.offload_ranks_per_node(None, torch.device("cuda", 0)) == 4  # a one-GPU machine: still a rank's share
+    assert gpu.offload_ranks_per_node(2, torch.device("cuda", 0)) == 2
+    assert gpu.offload_ranks_per_node(None, torch.device("cpu")) == 1
+
+
 def test_the_snapshot_records_one_step_where_cuda_exists(tmp_path, monkeypatch):
     calls = []
 
-    def record_history(enabled="all", max_entries=None, **_):
-        calls.append(("record", enabled, max_entries))
+    def record_history(enabled="all", max_entries=None, stacks="all", **_):
+        calls.append(("record", enabled, max_entries) + ((stacks,) if enabled else ()))
 
     def dump(path):
         calls.append(("dump", path))
@@ -143,7 +150,9 @@ def test_the_snapshot_records_one_step_where_cuda_exists(tmp_path, monkeypatch):
     path = tmp_path / gpu.SNAPSHOT
     written = snapshot.record_step(lambda: calls.append(("step",)), torch.device("cuda", 0), path)
     assert written == path and path.read_bytes() == b"snapshot"
-    assert calls == [("record", "all", snapshot.MAX_ENTRIES), ("step",), ("dump", str(path)), ("record", None, None)]
+    # Python's stacks only: C++'s take minutes to symbolise at the dump (snapshot.py)
+    assert calls == [("record", "all", snapshot.MAX_ENTRIES, "python"), ("step",), ("dump", str(path)),
+                     ("record", None, None)]
     calls.clear()
     with pytest.raises(torch.OutOfMemoryError):  # a step that fails still turns the history off
         snapshot.record_step(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")), torch.device("cuda", 0),
@@ -168,3 +177,42 @@ def test_a_row_that_does_not_fit_is_not_built(llama_1b, monkeypatch, capsys):
     assert row["error"].startswith(f"skipped: estimate {need / 1e9:.1f} GB"), row
     table = offload.offload_table([row], 16)
     assert f"| minidist/fsdp | off | 1 | skipped: estimate {need / 1e9:.1f} GB" in table, table
+
+
+def fake_row(impl, strategy_name, checkpointing, *args, **kwargs) -> dict:
+    """A measured row as `run_setup` returns it, without the measuring."""
+    return {"model": "Llama tiny", "impl": impl, "strategy": strategy_name, "checkpointing": checkpointing,
+            "times": [0.1, 0.1, 0.1], "tokens_per_s": 1000.0, "mfu": None, "peak": 2e6, "reserved": None,
+            "estimate": 2e6}
+
+
+def test_every_finished_row_is_on_disk_when_the_check_is_stopped(tmp_path, monkeypatch):
+    """A kill (the device call's limit) after three rows: table.md already holds all three."""
+    done = []
+
+    def three_then_killed(*args, **kwargs):
+        if len(done) == 3:
+            raise KeyboardInterrupt("the device call's limit")
+        done.append(fake_row(*args))
+        return done[-1]
+
+    monkeypatch.setattr(gpu, "run_setup", three_then_killed)
+    monkeypatch.setattr(gpu, "free", lambda device: None)
+    progress = gpu.Progress(tmp_path, time.perf_counter(), gpu.DEADLINE_S)
+    with pytest.raises(KeyboardInterrupt):
+        gpu.llama_rows("unused", gpu.SIZES["smoke"], types.SimpleNamespace(device=None), None, tmp_path, progress)
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("| Llama tiny |") == 3 and "(in progress: 3 row(s) after" in table, table
+
+
+def test_no_row_starts_after_the_deadline_and_the_report_says_which(tmp_path, monkeypatch):
+    started = time.perf_counter()
+    monkeypatch.setattr(gpu, "run_setup", fake_row)
+    monkeypatch.setattr(gpu, "free", lambda device: None)
+    progress = gpu.Progress(tmp_path, started, deadline_s=0.0)
+    time.sleep(0.01)
+    assert gpu.llama_rows("unused", gpu.SIZES["smoke"], types.SimpleNamespace(device=None), None, tmp_path,
+                          progress) == []
+    assert progress.note().startswith("stopped at its deadline (0 s, --deadline_s): not run: torch/ddp, checkpointing "
+                                      "off; minidist/ddp, checkpointing off"), progress.note()
+    assert len(progress.not_run) == 12 and not (tmp_path / "table.md").exists()
