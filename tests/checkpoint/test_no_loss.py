@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from minidist import finetune
-from minidist.checkpoint import output_dir, state
+from minidist.checkpoint import disk_room, output_dir, state
 from minidist.chess import jsonl
 from minidist.chess.games import bundled_games
 from minidist.runtime.distributed import cleanup, get_env, init_distributed
@@ -146,8 +146,19 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_refused_in_one_line(args, 
     assert code == 2 and f"cannot write to --output_dir {read_only / 'run'} (Read-only file system)" in line
 
 
+@pytest.fixture
+def room_looks_ample(monkeypatch):
+    """The disk check after step 1 (`checkpoint/disk_room.py`) sees a large free space: the disk fills
+    later, as a shared scratch does when another job writes to it. Told the truth about these small
+    tmpfs, it stops the run before any save (`tests/checkpoint/test_disk_room.py`), and the save's own
+    failure, which these tests are about, would never come."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", lambda path: real(path)._replace(free=10**15))
+
+
 @pytest.mark.parametrize("form", ["sharded", "full"])
-def test_a_full_disk_gives_one_line_removes_the_tmp_and_keeps_the_previous_checkpoint(args, tmpfs, capsys, form):
+def test_a_full_disk_gives_one_line_removes_the_tmp_and_keeps_the_previous_checkpoint(args, tmpfs, capsys, form,
+                                                                                      room_looks_ample):
     out = tmpfs(f"full-{form}", "size=7m")  # a checkpoint of the tiny model is 4.4 MB: the second does not fit
     code, line = run_here(args(out, "--max_steps", "3", "--save_steps", "1", "--checkpoint_format", form), capsys)
     assert code == 2, line
@@ -156,7 +167,18 @@ def test_a_full_disk_gives_one_line_removes_the_tmp_and_keeps_the_previous_check
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and intact(out / "checkpoint-1")
 
 
-def test_a_full_disk_at_the_final_model_gives_one_line_and_leaves_no_half_written_model(args, tmpfs, capsys):
+def test_a_disk_too_small_for_the_run_is_refused_after_step_1_before_any_save(args, tmpfs, capsys):
+    """The same 7 MB tmpfs, the disk check told the truth: three checkpoints of 4.2 MB at once (the
+    two kept and the one being written) do not fit, and the run stops after step 1, before saving."""
+    out = tmpfs("too-small", "size=7m")
+    code, line = run_here(args(out, "--max_steps", "3", "--save_steps", "1"), capsys)
+    assert code == 2, line
+    assert f"--output_dir {out} has 7.3 MB free, and a checkpoint holds 4.2 MB" in line, line
+    assert not list(out.glob("checkpoint-*")), list(out.iterdir())
+
+
+def test_a_full_disk_at_the_final_model_gives_one_line_and_leaves_no_half_written_model(args, tmpfs, capsys,
+                                                                                        room_looks_ample):
     out = tmpfs("full-at-the-end", "size=1m")  # metrics and eval.json fit; the 1.4 MB model does not
     argv = [a for a in args(out) if a != "--no_save"]
     code, line = run_here(argv, capsys)

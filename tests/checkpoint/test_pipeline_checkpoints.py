@@ -240,7 +240,7 @@ def test_no_checkpoint_of_a_pipeline_is_refused():
 
     def check(impl, strategy, tp, form):
         _check_pipeline(SimpleNamespace(impl=impl, strategy=strategy, tp_size=tp, checkpoint_format=form, save_steps=2,
-                                        resume=None), LoraOptions())
+                                        resume=None, pp_size=2, gradient_accumulation_steps=2), LoraOptions())
 
     for built in BUILT:
         check(*built)
