@@ -1,8 +1,8 @@
 """What this torch can do, asked of torch itself, where a feature is used: one line where it cannot.
 
-`requirements.txt` admits torch 2.9 and newer (README, "Which torch": the oldest on which the fast
-tier passes, and the first whose torchrun passes SLURM's warning on); CI runs 2.13, and `.ci/compat`
-runs the fast tier on others. A torch in that range may still lack what came later, and a cluster's
+`requirements.txt` admits torch 2.9 and newer (README, "Which torch": the oldest the fast tier has
+passed on, 2.7 and 2.8 untried, and the first whose torchrun passes SLURM's warning on); CI runs
+2.13, and `.ci/compat` runs the fast tier on others. A torch in that range may still lack what came later, and a cluster's
 own torch (a `module load`) may be older than the range. So each feature that some of them lack is
 probed here, from the API itself rather than from a version number (a site's build may carry a
 backport, and a nightly has no release number), and asked for where it is needed: a run that needs
