@@ -7,6 +7,7 @@
 #                             shell error)
 #   read_allocation           sets NNODES, GPUS_PER_NODE, HEAD_NODE and MASTER_PORT and exports
 #                             SRUN_CPUS_PER_TASK; or one line and exit status 2
+#   scratch                   exports SCRATCH, /scratch/$USER unless set (outputs and model_cache use it)
 #   outputs NAME              exports OUTPUT_DIR, by default $SCRATCH/minidist/runs/NAME, off the home
 #                             directory, and makes it; or one line and exit status 2
 #   model_cache               exports HF_HOME, off the home directory; or one line and exit status 2
@@ -19,6 +20,8 @@
 #                             TORCHRUN_HERE, the command an srun task runs torchrun through so
 #                             that its node publishes that address (`srun ... bash -c "$TORCHRUN_HERE"
 #                             torchrun ARGS...`); one line per node says what it chose
+#   estimate_args ARGS        sets ESTIMATE, `python -m minidist.memory`'s flags for the run
+#                             chess_finetune.sh is about to start (gpu_memory_check uses it)
 #   gpu_memory_check ARGS     the smallest GPU of the job (nvidia-smi on every node) against the
 #                             memory estimate of the run chess_finetune.sh is about to start: one
 #                             line, or one line with what would fit and exit status 2

@@ -14,10 +14,10 @@ they fit), and every rank stops in one line if it does not fit. (A quota may be 
 How big a checkpoint is, is counted, not guessed: it is what DCP would write for the state the
 strategy hands a save (`Strategy.get_state_dict(full=False)`). DCP writes every key once: a
 `DTensor` as the whole tensor it is a piece of (its pieces on the ranks that hold them), a plain
-tensor once even where every rank holds a copy (DDP's weights, the norms under tensor
-parallelism), and a pipeline's stages each under keys of their own. So every rank lists its keys
-with their whole sizes, rank 0 joins the lists, and the sum is the checkpoint's payload; the files
-around it (DCP's metadata, the RNG states, the scheduler) add a few kilobytes per rank.
+tensor once even where every rank holds a copy (DDP's weights, the norms under tensor parallelism),
+and a pipeline's stages each under keys of their own. So every rank lists its keys with their whole
+sizes, the ranks exchange the lists and join them, and the sum is the checkpoint's payload; the
+files around it (DCP's metadata, the RNG states, the scheduler) add a few kilobytes per rank.
 
 How many are on the disk at once follows from the rotation (`state.Checkpointer._rotate`): with
 `keep` kept and `e` complete ones already there, a save adds one folder and then removes the
